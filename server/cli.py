@@ -1,0 +1,43 @@
+"""`exspec` command line: one subcommand per module, each with `add_arguments(parser)` and `run(args) -> int`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module that implements it (imported only when that subcommand runs)
+COMMANDS = {
+    "serve": ("server.cmd_serve", "run the OpenAI-compatible HTTP server"),
+    "generate": ("server.cmd_generate", "offline batch generation from a JSONL file"),
+    "demo-models": ("server.cmd_demo", "build the built-in demo target/draft pair (offline)"),
+    "bench": ("server.cmd_bench", "offline throughput benchmark against plain decoding and peers"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="exspec", description="Batched speculative decoding done right.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from engine.errors import ExspecError
+
+    try:
+        return importlib.import_module(args._module).run(args) or 0
+    except ExspecError as e:
+        print(f"exspec {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Tiny random models and a tokenizer trained offline, saved to a directory and loaded back through
+`from_pretrained`, exactly as a user's model is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens and verifies them. "
+    "A small draft model proposes k tokens; the target model checks all of them in one forward pass. "
+    "Hello world! Caf\u00e9 na\u00efve r\u00e9sum\u00e9 \u2014 \u65e5\u672c\u8a9e \U0001f600 emoji. "
+    "Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000 and punctuation: , . ; : ! ? ( ) [ ] { } - + = * /. "
+)
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int = 320):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 20, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def make_config(arch: str, vocab_size: int, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2):
+    from transformers import AutoConfig
+
+    common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    if arch == "gpt2":
+        return AutoConfig.for_model(
+            "gpt2", n_layer=layers, n_embd=hidden, n_head=heads, n_positions=1024, **common
+        )
+    extra = dict(
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+    if arch == "mistral":
+        extra["sliding_window"] = None
+    if arch == "qwen3":
+        extra["head_dim"] = hidden // heads
+    return AutoConfig.for_model(arch, **extra, **common)
+
+
+def build_model(arch: str, out_dir: Path, tokenizer_dir: Path, seed: int, vocab_size: int, **kw) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    cfg = make_config(arch, vocab_size, **kw)
+    model = AutoModelForCausalLM.from_config(cfg)
+    # Random init is near-uniform: sharpen the head so greedy outputs are decisive and EOS appears.
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head.mul_(8.0)
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
+    return out_dir
+
+
+def build_pair(root: Path, arch: str, draft_same: bool = False, draft_vocab_pad: int = 0, vocab_size: int = 320):
+    """Write root/tok, root/<arch>-target and root/<arch>-draft; return (target_dir, draft_dir)."""
+    tok_dir = root / "tok"
+    if not (tok_dir / "tokenizer.json").exists():
+        build_tokenizer(tok_dir, vocab_size)
+    target = build_model(arch, root / f"{arch}-target", tok_dir, seed=1, vocab_size=vocab_size, layers=2)
+    if draft_same:
+        return target, target
+    draft = build_model(
+        arch, root / f"{arch}-draft", tok_dir, seed=2, vocab_size=vocab_size + draft_vocab_pad, layers=1
+    )
+    return target, draft
