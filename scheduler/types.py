@@ -67,6 +67,7 @@ class RequestOutput:
     error: str | None = None  # message when finish_reason == "error"
     num_draft_tokens: int = 0  # draft tokens proposed for this request so far
     num_accepted_tokens: int = 0  # of those, accepted so far
+    queue_time_s: float | None = None  # on the first delta: seconds from submit() to first scheduled
 
 
 @dataclass(frozen=True)

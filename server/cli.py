@@ -15,18 +15,21 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """All subcommands are listed; only `command`'s module is imported to add its flags."""
     parser = argparse.ArgumentParser(prog="exspec", description="Batched speculative decoding done right.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p)
+        if name == command:
+            importlib.import_module(module).add_arguments(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(next((a for a in argv if a in COMMANDS), None))
     args = parser.parse_args(argv)
     from engine.errors import ExspecError
 
