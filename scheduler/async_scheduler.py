@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+from engine.errors import InvalidRequestError
 from engine.params import SamplingParams
 from scheduler.core import Delta, EngineProtocol, SchedulerCore
 from scheduler.request import Request
@@ -64,6 +65,9 @@ class AsyncScheduler:
     # ------------------------------------------------------------------ public API
 
     async def start(self) -> None:
+        """Start the step-loop worker thread (once; later calls do nothing)."""
+        if self._thread is not None:
+            return
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._worker, name="exspec-step-loop", daemon=True)
         self._thread.start()
@@ -100,7 +104,7 @@ class AsyncScheduler:
         request_id = request_id or uuid.uuid4().hex
         with self._lock:
             if request_id in self._streams:
-                raise SchedulerClosedError(f"request id {request_id!r} is already in use")
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
             if self.num_waiting >= self.config.max_waiting:
                 raise QueueFullError(
                     f"the waiting queue is full ({self.config.max_waiting} requests); retry later"

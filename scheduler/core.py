@@ -237,6 +237,7 @@ class SchedulerCore:
             kind=out.kind,
             batch_size=out.batch_size,
             num_draft_tokens=out.num_draft_tokens,
+            num_proposed_tokens=sum(o.num_draft_tokens for o in out.outputs),
             accepted_per_position=out.accepted_per_position,
             num_tokens=sum(len(o.new_token_ids) for o in out.outputs),
             num_prompt_tokens=prompt_tokens,

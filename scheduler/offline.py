@@ -57,7 +57,7 @@ class RunSummary:
             self.decode_seconds += seconds
             self.num_row_steps += stats.batch_size
             self.num_decode_tokens += stats.num_tokens
-            self.num_draft_tokens += stats.num_draft_tokens * stats.batch_size
+            self.num_draft_tokens += stats.num_proposed_tokens
             self.num_accepted_tokens += sum(stats.accepted_per_position)
 
 

@@ -77,6 +77,7 @@ class StepStats:
     kind: str  # "grouped" | "mixed" | "prefill"
     batch_size: int  # sequences in the step
     num_draft_tokens: int  # k used (0 for prefill or speculation off)
+    num_proposed_tokens: int  # draft tokens proposed over all rows (rows that opted out propose none)
     accepted_per_position: tuple[int, ...]  # [k]: rows whose i-th draft token was accepted
     num_tokens: int  # tokens emitted by the step (all rows)
     num_prompt_tokens: int  # prompt tokens prefilled by the step

@@ -98,3 +98,29 @@ def build_pair(root: Path, arch: str, draft_same: bool = False, draft_vocab_pad:
         arch, root / f"{arch}-draft", tok_dir, seed=2, vocab_size=vocab_size + draft_vocab_pad, layers=1
     )
     return target, draft
+
+
+def main(argv=None) -> None:
+    """Write a random pair for benchmarks: python tests/tiny_models.py OUT [--arch llama] [--layers 4 ...]."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("out", type=Path)
+    p.add_argument("--arch", default="llama")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--draft-hidden", type=int, default=64)
+    p.add_argument("--draft-layers", type=int, default=1)
+    p.add_argument("--vocab", type=int, default=2000)
+    a = p.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(a.out / "tok", a.vocab)
+    build_model(a.arch, a.out / "target", a.out / "tok", seed=1, vocab_size=a.vocab, layers=a.layers, hidden=a.hidden)
+    build_model(
+        a.arch, a.out / "draft", a.out / "tok", seed=2, vocab_size=a.vocab, layers=a.draft_layers, hidden=a.draft_hidden
+    )
+    print(a.out / "target", a.out / "draft")
+
+
+if __name__ == "__main__":
+    main()
