@@ -9,7 +9,7 @@ import time
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
+from engine.errors import ExspecError, InvalidRequestError
 from engine.kv_cache import SlotAllocator
 from engine.loader import ModelPair, load_model_pair
 from engine.params import SamplingParams
@@ -60,6 +60,13 @@ class SpecEngine:
         self.max_k = config.max_num_speculative_tokens if self.pair.draft is not None else 0
         # Slack past max_model_len: a verify step writes k + 1 positions from the last token on.
         pool_len = self.max_model_len + self.max_k + 1
+        for model in (self.pair.target, self.pair.draft):
+            limit = getattr(model.config, "n_positions", None) if model is not None else None  # learned positions
+            if limit is not None and pool_len > limit:
+                raise ExspecError(
+                    f"max_model_len ({self.max_model_len}) + k ({self.max_k}) + 1 exceeds the model's "
+                    f"{limit} learned positions: lower max_model_len"
+                )
         vocab = self.pair.vocab_size
         self.vocab_size = vocab
         self.target = ModelRunner(self.pair.target, slots, pool_len, vocab)

@@ -44,6 +44,13 @@ def _load_model(path: Path, role: str, cfg: EngineConfig) -> torch.nn.Module:
         hf_config = AutoConfig.from_pretrained(path)
     except Exception as e:  # transformers raises ValueError/OSError/KeyError for unknown model types
         raise ModelLoadError(f"{role} {str(path)!r}: cannot read its config ({type(e).__name__}: {e})") from e
+    architectures = getattr(hf_config, "architectures", None) or []
+    if architectures and not any(_is_causal_lm_class(a) for a in architectures):
+        # e.g. an encoder or a decoder body saved with AutoModel: from_pretrained would invent a random head
+        raise ModelLoadError(
+            f"{role} {str(path)!r} is a {', '.join(architectures)} ({hf_config.model_type!r}), not a causal LM: "
+            "it has no language-model head"
+        )
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=cfg.torch_dtype, attn_implementation=cfg.attn_implementation
@@ -59,6 +66,14 @@ def _load_model(path: Path, role: str, cfg: EngineConfig) -> torch.nn.Module:
     if getattr(model.config, "is_encoder_decoder", False):
         raise ModelLoadError(f"{role} {str(path)!r} is an encoder-decoder model, not a decoder-only causal LM")
     return model.to(cfg.device).eval()
+
+
+def _is_causal_lm_class(name: str) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if name.endswith(("ForCausalLM", "LMHeadModel")):
+        return True
+    return any(name == v or (isinstance(v, tuple) and name in v) for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
 def _load_tokenizer(path: Path, role: str):

@@ -54,6 +54,12 @@ class ModelRunner:
             positions = (offsets + starts[0])[None, :]  # [1, Q]
         else:
             positions = torch.tensor(starts, device=dev)[:, None] + offsets  # [B, Q]
+        if kv_len > self.cache.max_len:
+            # Only right-padding queries can reach past the pool (a late prefill chunk batched with a wider
+            # one): real queries stop at max_model_len + k - 2. Park them on the pool's last position,
+            # which no real query ever reads.
+            positions = positions.clamp(max=self.cache.max_len - 1)
+            kv_len = self.cache.max_len
         mask = self._mask(positions, kv_len)  # [1 or B, 1, Q, kv_len]
         self.cache.view = ForwardView(
             slots=torch.tensor(slots, device=dev),

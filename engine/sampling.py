@@ -88,7 +88,8 @@ def _filter_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     drop = rank[None, None, :] >= k[:, None, None]  # [B, 1, V]
     probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs  # [B, Q, V]
-    drop = drop | (mass_before >= top_p[:, None, None])
+    # Rows with top_p == 1 cut nothing: their float32 cumsum can round to 1 before the tail.
+    drop = drop | ((mass_before >= top_p[:, None, None]) & (top_p < 1.0)[:, None, None])
     drop[..., 0] = False
     sorted_x = sorted_x.masked_fill(drop, float("-inf"))
     return torch.empty_like(x).scatter_(-1, order, sorted_x)

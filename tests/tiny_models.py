@@ -52,8 +52,9 @@ def make_config(arch: str, vocab_size: int, layers: int = 2, hidden: int = 64, h
 
     common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=3)
     if arch == "gpt2":
+        # Untied: a tied head scaled below would make the model repeat its last input token.
         return AutoConfig.for_model(
-            "gpt2", n_layer=layers, n_embd=hidden, n_head=heads, n_positions=1024, **common
+            "gpt2", n_layer=layers, n_embd=hidden, n_head=heads, n_positions=1024, tie_word_embeddings=False, **common
         )
     extra = dict(
         hidden_size=hidden,
