@@ -126,7 +126,8 @@ def build_server(settings: ServeSettings):
     limit = _model_position_limit(Path(target))
     max_len = settings.max_model_len
     if max_len is None:
-        max_len = min(2048, limit) if limit else 2048
+        # Leave room for a verify step's k + 1 positions past the last token.
+        max_len = min(2048, limit - settings.num_speculative_tokens - 1) if limit else 2048
     elif limit is not None and max_len > limit:
         raise ExspecError(f"--max-model-len {max_len} exceeds the model's position limit ({limit}) in {target}")
     engine_config = EngineConfig(
