@@ -154,7 +154,7 @@ def test_stop_strings_are_cut_and_never_streamed_partially():
 
 
 async def test_async_queue_full_abort_and_shutdown():
-    eng = FakeEngine(num_slots=2)
+    eng = FakeEngine(num_slots=2, max_model_len=10**9)  # never "length": only the abort can end them
     sched = AsyncScheduler(eng, SchedulerConfig(max_batch_size=1, pool_size=1, max_waiting=2, max_wait_steps=1))
     with pytest.raises(SchedulerClosedError):  # not started yet
         sched.submit([1], SamplingParams())
