@@ -51,10 +51,13 @@ def _load_model(path: Path, role: str, cfg: EngineConfig) -> torch.nn.Module:
             f"{role} {str(path)!r} is a {', '.join(architectures)} ({hf_config.model_type!r}), not a causal LM: "
             "it has no language-model head"
         )
+    attn = cfg.attn_implementation
+    if attn == "sdpa" and cfg.device == "cpu":
+        from engine.attention import register
+
+        attn = register()  # sdpa with native GQA under exspec's masks (engine/attention.py)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=cfg.torch_dtype, attn_implementation=cfg.attn_implementation
-        )
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=cfg.torch_dtype, attn_implementation=attn)
     except ValueError as e:
         if "Unrecognized configuration class" in str(e):
             raise ModelLoadError(

@@ -32,7 +32,7 @@ class ModelRunner:
         self.cache = SlotKVCache(self.config.num_hidden_layers, num_slots, max_len)
         self.base = model.base_model
         self.head = model.get_output_embeddings()
-        self.float_mask = self.config._attn_implementation != "sdpa"  # eager adds the mask to the scores
+        self.float_mask = self.config._attn_implementation == "eager"  # eager adds the mask to the scores
         self.sliding_window = _sliding_window(self.config)
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
 
