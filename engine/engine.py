@@ -216,7 +216,7 @@ class SpecEngine:
 
         t0 = self._clock.mark()
         if k > 0:
-            draft_tokens, draft_probs = self._draft(seqs, lengths, slots, slot_t, k, grouped, rows, generated)
+            draft_tokens, draft_probs = self._draft(seqs, lengths, len_t, slots, slot_t, k, grouped, rows, generated)
         t1 = self._clock.mark()
         last_tok = self.token_buf[slot_t, len_t - 1][:, None]  # [B, 1]
         verify_in = torch.cat([last_tok, draft_tokens], dim=1) if k > 0 else last_tok  # [B, k + 1]
@@ -258,7 +258,7 @@ class SpecEngine:
             verify_s=self._clock.seconds(t1, t2),
         )
 
-    def _draft(self, seqs, lengths, slots, slot_t, k, grouped, rows: RowParams, generated):
+    def _draft(self, seqs, lengths, len_t, slots, slot_t, k, grouped, rows: RowParams, generated):
         """Catch the draft cache up to the pending token, then propose k tokens autoregressively.
 
         returns draft_tokens [B, k] long, draft_probs [B, k, V] (None when every row is greedy).
@@ -275,7 +275,7 @@ class SpecEngine:
         proposed, probs = [], []
         for i in range(k):
             logits = self._suppress_stops(logits, seqs, [g + i for g in generated])
-            pos = torch.tensor(lengths, device=dev)[:, None] + i  # [B, 1]
+            pos = len_t[:, None] + i  # [B, 1]: where draft token i + 1 would land
             if rows.any_sampling:
                 q = process_probs(logits, rows)  # [B, 1, V]
                 tok = sample_from_probs(q, rows.seeds, pos, STREAM_DRAFT)  # [B, 1]
