@@ -125,6 +125,3 @@ class SlotKVCache(Cache):
     @property
     def is_compileable(self) -> bool:
         return False
-
-    def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)

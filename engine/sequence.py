@@ -45,9 +45,5 @@ class Sequence:
         return self.token_ids[self.prompt_len :]
 
     @property
-    def prefill_done(self) -> bool:
-        return self.num_prefilled >= self.prompt_len
-
-    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
