@@ -13,7 +13,7 @@ from engine.errors import ExspecError, InvalidRequestError
 from engine.kv_cache import SlotAllocator
 from engine.loader import ModelPair, load_model_pair
 from engine.params import SamplingParams
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, to_device
 from engine.sampling import (
     STREAM_DRAFT,
     STREAM_TARGET,
@@ -128,7 +128,7 @@ class SpecEngine:
             slot=slot,
         )
         n = seq.prompt_len
-        self.token_buf[slot, :n] = torch.tensor(prompt_token_ids, dtype=torch.long).to(self.device)
+        self.token_buf[slot, :n] = to_device(prompt_token_ids, self.device)
         self.temperature[slot] = params.temperature
         self.top_p[slot] = params.top_p
         self.top_k[slot] = params.top_k
@@ -154,17 +154,17 @@ class SpecEngine:
         slots = [s.slot for s in seqs]
         q_len = max(widths)
         dev = self.device
-        slot_t = torch.tensor(slots, device=dev)
-        cols = torch.tensor(starts, device=dev)[:, None] + torch.arange(q_len, device=dev)  # [B, Q]
+        slot_t = to_device(slots, dev)
+        cols = to_device(starts, dev)[:, None] + torch.arange(q_len, device=dev)  # [B, Q]
         tokens = self.token_buf[slot_t[:, None], cols.clamp(max=self.token_buf.shape[1] - 1)]  # [B, Q]
-        last = torch.tensor(widths, device=dev)[:, None] - 1  # [B, 1]
+        last = to_device(widths, dev)[:, None] - 1  # [B, 1]
         t0 = self._clock.mark()
         if self.draft is not None:
             self.draft.extend(tokens, starts, slots, select=last)
         t1 = self._clock.mark()
         logits = self.target.extend(tokens, starts, slots, select=last)  # [B, 1, V]
         rows = self._row_params(seqs, slot_t)
-        positions = torch.tensor([s.prompt_len for s in seqs], device=dev)[:, None]  # [B, 1]
+        positions = to_device([s.prompt_len for s in seqs], dev)[:, None]  # [B, 1]
         logits = self._suppress_stops(logits, seqs, [0] * len(seqs))
         first = self._sample(logits, rows, positions)[:, 0]  # [B]
         self.token_buf[slot_t, positions[:, 0]] = first
@@ -208,8 +208,8 @@ class SpecEngine:
         lengths = [s.length for s in seqs]
         slots = [s.slot for s in seqs]
         grouped = not batch.force_mixed and all(n == lengths[0] for n in lengths)
-        slot_t = torch.tensor(slots, device=dev)  # [B]
-        len_t = torch.tensor(lengths, device=dev)  # [B]
+        slot_t = to_device(slots, dev)  # [B]
+        len_t = to_device(lengths, dev)  # [B]
         out_pos = len_t[:, None] + torch.arange(k + 1, device=dev)  # [B, k + 1]: where each emitted token lands
         rows = self._row_params(seqs, slot_t)
         generated = [s.num_generated for s in seqs]
@@ -223,7 +223,7 @@ class SpecEngine:
         starts = [n - 1 for n in lengths]
         logits = self.target.extend(verify_in, starts, slots, force_per_row=not grouped)  # [B, k + 1, V]
         logits = self._suppress_stops(logits, seqs, generated)
-        allow = torch.tensor(allow_list, device=dev)
+        allow = to_device(allow_list, dev, torch.bool)
         if k == 0:
             tokens = self._sample(logits, rows, out_pos)  # [B, 1]
             num_acc = torch.zeros(len(seqs), dtype=torch.long, device=dev)
@@ -268,9 +268,9 @@ class SpecEngine:
         # Re-feeding an already cached position rewrites the same K/V, so every row can start `width`
         # back from its pending token; only rows shorter than `width` start at 0.
         starts = [max(n - width, 0) for n in lengths]
-        cols = torch.tensor(starts, device=dev)[:, None] + torch.arange(width, device=dev)  # [B, W]
+        cols = to_device(starts, dev)[:, None] + torch.arange(width, device=dev)  # [B, W]
         tokens = self.token_buf[slot_t[:, None], cols]  # [B, W]
-        last = torch.tensor([n - 1 - s for n, s in zip(lengths, starts)], device=dev)[:, None]  # [B, 1]
+        last = to_device([n - 1 - s for n, s in zip(lengths, starts)], dev)[:, None]  # [B, 1]
         logits = self.draft.extend(tokens, starts, slots, select=last, force_per_row=not grouped)  # [B, 1, V]
         proposed, probs = [], []
         for i in range(k):
@@ -323,9 +323,9 @@ class SpecEngine:
                 ids = [t for t in (*self.eos_token_ids, *seq.params.stop_token_ids) if t < vocab]
                 banned[b, ids] = True
         dev = logits.device
-        need = torch.tensor([s.params.min_tokens - g for s, g in zip(seqs, generated)], device=dev)  # [B]
+        need = to_device([s.params.min_tokens - g for s, g in zip(seqs, generated)], dev)  # [B]
         cols_on = torch.arange(q_len, device=dev)[None, :] < need[:, None]  # [B, Q]
-        mask = cols_on[:, :, None] & banned[:, None, :vocab].to(dev)  # [B, Q, V]
+        mask = cols_on[:, :, None] & banned[:, None, :vocab].to(dev, non_blocking=True)  # [B, Q, V]
         return logits.masked_fill(mask, float("-inf"))
 
     def _append(self, seq: Sequence, tokens: list[int]) -> tuple[int, ...]:

@@ -7,6 +7,14 @@ import torch
 from engine.kv_cache import ForwardView, SlotKVCache
 
 
+def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Per-step host metadata (slots, positions, counts) onto the device without waiting for it: on CUDA
+    the copy goes from pinned memory with non_blocking, so it never syncs the host with queued kernels."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def _consecutive(slots: list[int]) -> tuple[int, int] | None:
     first = slots[0]
     return (first, first + len(slots)) if slots == list(range(first, first + len(slots))) else None
@@ -53,7 +61,7 @@ class ModelRunner:
         if grouped:
             positions = (offsets + starts[0])[None, :]  # [1, Q]
         else:
-            positions = torch.tensor(starts, device=dev)[:, None] + offsets  # [B, Q]
+            positions = to_device(starts, dev)[:, None] + offsets  # [B, Q]
         if kv_len > self.cache.max_len:
             # Only right-padding queries can reach past the pool (a late prefill chunk batched with a wider
             # one): real queries stop at max_model_len + k - 2. Park them on the pool's last position,
@@ -62,7 +70,7 @@ class ModelRunner:
             kv_len = self.cache.max_len
         mask = self._mask(positions, kv_len)  # [1 or B, 1, Q, kv_len]
         self.cache.view = ForwardView(
-            slots=torch.tensor(slots, device=dev),
+            slots=to_device(slots, dev),
             positions=positions.expand(batch, q_len),
             kv_len=kv_len,
             slot_range=_consecutive(slots),
