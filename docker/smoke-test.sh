@@ -72,7 +72,7 @@ fi
 CTX=$WORK/context
 mkdir -p "$CTX"
 tar -c --exclude=__pycache__ --exclude='*.pyc' --exclude='docker/wheels/*.whl' \
-  pyproject.toml README.md engine scheduler server loadtest data docker | tar -x -C "$CTX"
+  pyproject.toml README.md exspec engine scheduler server cli bench demo loadtest data docker | tar -x -C "$CTX"
 build_args=(--build-arg "BASE_IMAGE=$BASE_IMAGE")
 if [ "$OFFLINE" = 1 ]; then
   wheels=$CTX/docker/wheels

@@ -1,12 +1,12 @@
 """exspec engine: model loading, KV slot pools, draft/verify/accept, sampling."""
 
-from engine.config import EngineConfig
-from engine.engine import SpecEngine
-from engine.errors import CapacityError, ExspecError, InvalidRequestError, ModelLoadError
-from engine.loader import ModelPair, load_model_pair
-from engine.params import SamplingParams
-from engine.sequence import Sequence
-from engine.types import PrefillBatch, PrefillChunk, SeqOutput, StepBatch, StepOutput
+from exspec.engine.config import EngineConfig
+from exspec.engine.engine import SpecEngine
+from exspec.errors import CapacityError, ExspecError, InvalidRequestError, ModelLoadError
+from exspec.engine.loader import ModelPair, load_model_pair
+from exspec.engine.params import SamplingParams
+from exspec.engine.sequence import Sequence
+from exspec.engine.types import PrefillBatch, PrefillChunk, SeqOutput, StepBatch, StepOutput
 
 __all__ = [
     "CapacityError",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from engine.errors import ExspecError
+from exspec.errors import ExspecError
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

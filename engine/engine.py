@@ -8,13 +8,13 @@ import time
 
 import torch
 
-from engine.config import EngineConfig
-from engine.errors import ExspecError, InvalidRequestError
-from engine.kv_cache import SlotAllocator
-from engine.loader import ModelPair, load_model_pair
-from engine.params import SamplingParams
-from engine.runner import ModelRunner, to_device
-from engine.sampling import (
+from exspec.engine.config import EngineConfig
+from exspec.errors import ExspecError, InvalidRequestError
+from exspec.engine.kv_cache import SlotAllocator
+from exspec.engine.loader import ModelPair, load_model_pair
+from exspec.engine.params import SamplingParams
+from exspec.engine.runner import ModelRunner, to_device
+from exspec.engine.sampling import (
     STREAM_DRAFT,
     STREAM_TARGET,
     RowParams,
@@ -23,8 +23,8 @@ from engine.sampling import (
     process_probs,
     sample_from_probs,
 )
-from engine.sequence import Sequence
-from engine.types import PrefillBatch, SeqOutput, StepBatch, StepOutput
+from exspec.engine.sequence import Sequence
+from exspec.engine.types import PrefillBatch, SeqOutput, StepBatch, StepOutput
 
 
 class _Clock:

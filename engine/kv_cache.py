@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from engine.errors import CapacityError
+from exspec.errors import CapacityError
 
 
 class SlotAllocator:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
-from engine.errors import ModelLoadError
+from exspec.engine.config import EngineConfig
+from exspec.errors import ModelLoadError
 
 
 @dataclass
@@ -53,7 +53,7 @@ def _load_model(path: Path, role: str, cfg: EngineConfig) -> torch.nn.Module:
         )
     attn = cfg.attn_implementation
     if attn == "sdpa" and cfg.device == "cpu":
-        from engine.attention import register
+        from exspec.engine.attention import register
 
         attn = register()  # sdpa with native GQA under exspec's masks (engine/attention.py)
     try:

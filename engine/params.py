@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidRequestError
+from exspec.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)

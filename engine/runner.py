@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_cache import ForwardView, SlotKVCache
+from exspec.engine.kv_cache import ForwardView, SlotKVCache
 
 
 def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -109,7 +109,7 @@ def _sliding_window(config) -> int | None:
         return None
     layer_types = getattr(config, "layer_types", None)
     if layer_types and len(set(layer_types)) > 1:
-        from engine.errors import ModelLoadError
+        from exspec.errors import ModelLoadError
 
         raise ModelLoadError(
             "models that mix sliding-window and full-attention layers are not supported yet "

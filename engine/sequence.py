@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.params import SamplingParams
+from exspec.engine.params import SamplingParams
 
 
 @dataclass(eq=False)

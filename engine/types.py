@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sequence import Sequence
+from exspec.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,10 @@ import json
 import sys
 from pathlib import Path
 
-from loadtest.client import RequestInput
-from loadtest.datasets import DatasetError, encode_prompts, load_questions, random_prompts
-from loadtest.report import format_table, summarize
-from loadtest.runner import LoadConfig, LoadTestError, first_model, run_load
+from exspec.loadtest.client import RequestInput
+from exspec.data import DatasetError, encode_prompts, load_questions, random_prompts
+from exspec.loadtest.report import format_table, summarize
+from exspec.loadtest.runner import LoadConfig, LoadTestError, first_model, run_load
 
 
 def _rate(text: str) -> float:
@@ -100,7 +100,7 @@ def build_requests(args, tokenizer) -> list[RequestInput]:
 
 def check_outputs(args, requests: list[RequestInput], results) -> dict:
     """Compare each completed request's token ids with the target's own greedy output."""
-    from loadtest.equivalence import TargetReference
+    from exspec.bench.equivalence import TargetReference
 
     ref = TargetReference(args.reference_model, args.reference_device, args.reference_dtype)
     done = [(q, r) for q, r in zip(requests, results) if r.success]

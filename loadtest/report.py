@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from loadtest.client import RequestResult
+from exspec.loadtest.client import RequestResult
 
 PERCENTILES = (90, 99)
 

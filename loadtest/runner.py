@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from loadtest.client import RequestInput, RequestResult, build_payload, send_request
+from exspec.loadtest.client import RequestInput, RequestResult, build_payload, send_request
 
 
 class LoadTestError(Exception):

@@ -1,10 +1,10 @@
 """exspec scheduler: asyncio request queue feeding the EXSPEC sliding pool of same-length groups."""
 
-from scheduler.async_scheduler import AsyncScheduler, RequestStream
-from scheduler.core import EngineProtocol, SchedulerCore
-from scheduler.offline import OfflineResult, RunSummary, generate_offline
-from scheduler.policy import BatchChoice, Candidate, SpeculationPolicy, choose_batch
-from scheduler.types import QueueFullError, RequestOutput, SchedulerClosedError, SchedulerConfig, StepStats
+from exspec.scheduler.async_scheduler import AsyncScheduler, RequestStream
+from exspec.scheduler.core import EngineProtocol, SchedulerCore
+from exspec.scheduler.offline import OfflineResult, RunSummary, generate_offline
+from exspec.scheduler.policy import BatchChoice, Candidate, SpeculationPolicy, choose_batch
+from exspec.scheduler.types import QueueFullError, RequestOutput, SchedulerClosedError, SchedulerConfig, StepStats
 
 __all__ = [
     "AsyncScheduler",

@@ -11,11 +11,11 @@ import time
 import uuid
 from collections.abc import Callable
 
-from engine.errors import InvalidRequestError
-from engine.params import SamplingParams
-from scheduler.core import Delta, EngineProtocol, SchedulerCore
-from scheduler.request import Request
-from scheduler.types import QueueFullError, RequestOutput, SchedulerClosedError, SchedulerConfig, StepStats
+from exspec.errors import InvalidRequestError
+from exspec.engine.params import SamplingParams
+from exspec.scheduler.core import Delta, EngineProtocol, SchedulerCore
+from exspec.scheduler.request import Request
+from exspec.scheduler.types import QueueFullError, RequestOutput, SchedulerClosedError, SchedulerConfig, StepStats
 
 log = logging.getLogger("exspec.scheduler")
 

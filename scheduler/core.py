@@ -11,13 +11,13 @@ import time
 from collections import deque
 from typing import Any, Protocol
 
-from engine.errors import ExspecError
-from engine.params import SamplingParams
-from engine.sequence import Sequence
-from engine.types import PrefillBatch, PrefillChunk, StepBatch, StepOutput
-from scheduler.policy import Candidate, SpeculationPolicy, age_threshold_for, choose_batch
-from scheduler.request import IncrementalDetokenizer, Request, RequestState
-from scheduler.types import RequestOutput, SchedulerConfig, StepStats
+from exspec.errors import ExspecError
+from exspec.engine.params import SamplingParams
+from exspec.engine.sequence import Sequence
+from exspec.engine.types import PrefillBatch, PrefillChunk, StepBatch, StepOutput
+from exspec.scheduler.policy import Candidate, SpeculationPolicy, age_threshold_for, choose_batch
+from exspec.scheduler.request import IncrementalDetokenizer, Request, RequestState
+from exspec.scheduler.types import RequestOutput, SchedulerConfig, StepStats
 
 log = logging.getLogger("exspec.scheduler")
 

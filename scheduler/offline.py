@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.params import SamplingParams
-from scheduler.core import EngineProtocol, SchedulerCore
-from scheduler.request import Request
-from scheduler.types import SchedulerConfig, StepStats
+from exspec.engine.params import SamplingParams
+from exspec.scheduler.core import EngineProtocol, SchedulerCore
+from exspec.scheduler.request import Request
+from exspec.scheduler.types import SchedulerConfig, StepStats
 
 
 @dataclass

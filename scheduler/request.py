@@ -6,8 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.params import SamplingParams
-from engine.sequence import Sequence
+from exspec.engine.params import SamplingParams
+from exspec.engine.sequence import Sequence
 
 
 class RequestState(enum.Enum):

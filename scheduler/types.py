@@ -4,15 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import ExspecError
-
-
-class QueueFullError(ExspecError):
-    """The waiting queue is full (max_waiting): the server answers 429."""
-
-
-class SchedulerClosedError(ExspecError):
-    """The scheduler is shutting down or its step loop has died: the server answers 503."""
+from exspec.errors import ExspecError, QueueFullError, SchedulerClosedError  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)

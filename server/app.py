@@ -17,11 +17,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import InvalidRequestError
-from server.metrics import ServerMetrics
-from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from server.serving import OpenAIServing
-from server.settings import ServeSettings
+from exspec.errors import InvalidRequestError
+from exspec.server.metrics import ServerMetrics
+from exspec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from exspec.server.serving import OpenAIServing
+from exspec.server.settings import ServeSettings
 
 logger = logging.getLogger("exspec.server")
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from scheduler.types import RequestOutput, StepStats
+    from exspec.scheduler.types import RequestOutput, StepStats
 
 # The exact family names /metrics exports (counters with their `_total`, as in the text format's TYPE lines).
 METRIC_NAMES: tuple[str, ...] = (

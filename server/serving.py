@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.errors import InvalidRequestError
-from engine.params import SamplingParams
-from scheduler.types import QueueFullError, RequestOutput, SchedulerClosedError
-from server.metrics import RequestTimer, ServerMetrics
-from server.protocol import (
+from exspec.errors import InvalidRequestError
+from exspec.engine.params import SamplingParams
+from exspec.scheduler.types import QueueFullError, RequestOutput, SchedulerClosedError
+from exspec.server.metrics import RequestTimer, ServerMetrics
+from exspec.server.protocol import (
     APIError,
     ChatChoice,
     ChatChunkChoice,

@@ -1,0 +1,150 @@
+"""`exspec serve`: settings from flags and EXSPEC_* variables, clear errors, the demo default, and a real
+process that drains on SIGTERM and exits 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from exspec.cli.main import build_parser, main
+from exspec.cli.serve import load_settings
+from tests.support.server_fixtures import free_port, serve_in_thread, wait_healthy
+from tests.support.tiny_models import build_pair
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for key in list(os.environ):
+        if key.startswith("EXSPEC_") and key != "EXSPEC_CACHE":
+            monkeypatch.delenv(key)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return build_pair(tmp_path_factory.mktemp("cli-models"), "llama")
+
+
+def _settings(*argv: str):
+    return load_settings(build_parser("serve").parse_args(["serve", *argv]))
+
+
+def test_defaults():
+    s = _settings()
+    assert (s.model, s.host, s.port, s.api_key) == (None, "127.0.0.1", 8000, None)
+    assert s.resolved_pool_size == 4 * s.max_batch_size
+
+
+def test_env_then_flags(monkeypatch, tmp_path):
+    monkeypatch.setenv("EXSPEC_PORT", "9000")
+    monkeypatch.setenv("EXSPEC_MAX_BATCH_SIZE", "2")
+    monkeypatch.setenv("EXSPEC_API_KEY", "from-env")
+    monkeypatch.setenv("EXSPEC_MODEL", str(tmp_path))
+    s = _settings("--port", "9001", "--served-model-name", "m")
+    assert (s.port, s.max_batch_size, s.api_key, s.model, s.served_model_name) == (9001, 2, "from-env", tmp_path, "m")
+
+
+@pytest.mark.parametrize(
+    "argv, env, needle",
+    [
+        (["--port", "abc"], {}, "--port / EXSPEC_PORT"),
+        (["--port", "70000"], {}, "--port / EXSPEC_PORT"),
+        ([], {"EXSPEC_MAX_BATCH_SIZE": "0"}, "--max-batch-size / EXSPEC_MAX_BATCH_SIZE"),
+        (["--max-batch-size", "8", "--pool-size", "4"], {}, "pool_size must be >= max_batch_size"),
+        (["--dtype", "int3"], {}, "dtype must be one of"),
+        (["--speculation", "psychic"], {}, "speculation must be fixed or adaptive"),
+        (["--draft-model", "/d"], {}, "draft_model needs model"),
+    ],
+)
+def test_invalid_settings_exit_2(monkeypatch, capsys, argv, env, needle):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("exspec serve: error: invalid settings") and needle in err
+
+
+def test_missing_model_dir_is_a_clear_error(capsys, tmp_path):
+    assert main(["serve", "--model", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_max_model_len_beyond_the_model_is_refused(capsys, pair):
+    assert main(["serve", "--model", str(pair[0]), "--max-model-len", "4096"]) == 2
+    assert "exceeds the model's position limit (1024)" in capsys.readouterr().err
+
+
+def test_no_model_serves_the_demo_pair_and_the_docs_example_runs(monkeypatch, pair, capsys):
+    """Without --model: the demo pair (a tiny stand-in here), named exspec-demo; docs/SERVER.md's client
+    example then runs against it as written, but for the port."""
+    import exspec.demo.build as demo_build
+    from exspec.cli.serve import build_server
+
+    monkeypatch.setattr(demo_build, "ensure_demo_pair", lambda progress=True: pair)
+    server = build_server(_settings("--max-model-len", "160"))
+    app = server.config.app
+    assert app.state.model_name == "exspec-demo"
+    assert (server.config.host, server.config.port) == ("127.0.0.1", 8000)
+    assert app.state.scheduler.engine.max_model_len == 160
+
+    doc = (REPO / "docs" / "SERVER.md").read_text()
+    example = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'base_url="http://127.0.0.1:8000/v1"' in example
+    with serve_in_thread(app) as (base, _, _):
+        exec(compile(example.replace("http://127.0.0.1:8000", base), "SERVER.md", "exec"), {})
+    assert capsys.readouterr().out.strip()
+
+
+def test_serve_process_drains_on_sigterm_and_exits_0(pair, tmp_path):
+    target, draft = pair
+    port = free_port()
+    env = {**os.environ, "EXSPEC_SERVED_MODEL_NAME": "tiny-env", "EXSPEC_PORT": "1", "EXSPEC_SHUTDOWN_TIMEOUT": "30",
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "exspec", "serve", "--model", str(target), "--draft-model", str(draft),
+           "--port", str(port), "--max-model-len", "160", "--max-batch-size", "2", "--pool-size", "2"]
+    log = (tmp_path / "serve.log").open("w+")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, proc=proc)
+        lines: list[str] = []
+        first = threading.Event()
+        body = {"model": "tiny-env", "prompt": [5, 6, 7], "max_tokens": 150, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+
+        def stream() -> None:
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        lines.append(line)
+                        first.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        try:  # while draining, new requests are refused with 503 (or find the port closed once it is done)
+            late = httpx.post(base + "/v1/completions", json={"prompt": [5], "max_tokens": 1}, timeout=10)
+            assert late.status_code == 503, late.text
+        except httpx.TransportError:
+            pass
+        t.join(60)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log.seek(0)
+    out = log.read()
+    assert lines[-1] == "data: [DONE]", out
+    assert '"finish_reason":"length"' in lines[-2]  # the running request finished despite SIGTERM
+    assert "serving 'tiny-env'" in out and f"http://127.0.0.1:{port}/v1" in out
+    assert "draining" in out

@@ -1,0 +1,207 @@
+"""SchedulerCore and AsyncScheduler with a fake engine: admission, back-pressure, cancellation,
+failures, stop strings and incremental detokenisation."""
+
+import asyncio
+
+import pytest
+
+from exspec.errors import InvalidRequestError
+from exspec.engine.params import SamplingParams
+from tests.support.fake_engine import FakeEngine
+from exspec.scheduler import AsyncScheduler, QueueFullError, SchedulerClosedError, SchedulerConfig, SchedulerCore
+from exspec.scheduler.request import IncrementalDetokenizer, Request
+
+
+def run_all(core, max_steps=10_000):
+    deltas = []
+    for _ in range(max_steps):
+        if not core.has_work():
+            return deltas
+        d, _ = core.step()
+        deltas.extend(d)
+    raise AssertionError("did not finish")
+
+
+def req(i, prompt_len=4, max_tokens=5, **kw):
+    return Request(str(i), list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, **kw), order=i)
+
+
+def test_pool_never_exceeds_w_and_everything_finishes():
+    eng = FakeEngine(num_slots=16)
+    core = SchedulerCore(eng, SchedulerConfig(max_batch_size=2, pool_size=4, max_wait_steps=4))
+    for i in range(10):
+        core.add(req(i, prompt_len=3 + i % 3))
+    seen_max = 0
+    while core.has_work():
+        core.step()
+        seen_max = max(seen_max, core.num_running, eng.num_used)
+        assert all(len(b.seqs) <= 2 for b in eng.batches)
+    assert seen_max == 4
+    assert eng.num_used == 0
+
+
+def test_outputs_follow_engine_tokens_and_finish_reason():
+    eng = FakeEngine(accept=lambda s, k: 2)
+    core = SchedulerCore(eng, SchedulerConfig(max_batch_size=4, pool_size=4, num_speculative_tokens=3))
+    core.add(req(0, prompt_len=4, max_tokens=7))
+    deltas = run_all(core)
+    tokens = [t for _, d in deltas for t in d.token_ids]
+    assert tokens == [FakeEngine.token_at(p) for p in range(4, 11)]
+    last = deltas[-1][1]
+    assert last.finished and last.finish_reason == "length" and last.completion_tokens == 7
+    assert sum(1 for _, d in deltas if d.finished) == 1
+    assert deltas[0][1].queue_time_s is not None and deltas[0][1].queue_time_s >= 0
+
+
+def test_prefill_is_chunked_and_interleaved_with_decoding():
+    eng = FakeEngine()
+    core = SchedulerCore(eng, SchedulerConfig(max_batch_size=4, pool_size=4, max_prefill_tokens=8))
+    core.add(req(0, prompt_len=3, max_tokens=50))
+    core.step()  # prefill of request 0
+    core.add(req(1, prompt_len=30, max_tokens=5))
+    kinds = []
+    for _ in range(8):
+        _, stats = core.step()
+        kinds.append(stats.kind)
+    # A 30-token prompt with an 8-token budget takes 4 prefill steps, never two in a row while 0 decodes.
+    assert kinds.count("prefill") == 4
+    assert all(not (a == b == "prefill") for a, b in zip(kinds, kinds[1:]))
+    assert all(sum(c.end - c.start for c in p.chunks) <= 8 for p in eng.prefills)
+
+
+def test_abort_frees_slot_at_step_boundary():
+    eng = FakeEngine()
+    core = SchedulerCore(eng, SchedulerConfig(max_batch_size=2, pool_size=2))
+    core.add(req(0, max_tokens=100))
+    core.add(req(1, max_tokens=100))
+    core.add(req(2, max_tokens=100))  # waits: pool is full
+    for _ in range(4):
+        core.step()
+    assert eng.num_used == 2
+    d = core.abort("0")
+    assert d[1].finished and d[1].finish_reason == "abort"
+    assert eng.num_used == 1
+    d = core.abort("2")  # still waiting: leaves the queue
+    assert d[1].finish_reason == "abort" and core.num_waiting == 0
+    assert core.abort("nope") is None
+    core.abort("1")
+    assert eng.num_used == 0 and not core.has_work()
+
+
+def test_engine_failure_fails_only_that_batch():
+    eng = FakeEngine()
+    core = SchedulerCore(eng, SchedulerConfig(max_batch_size=1, pool_size=2, max_wait_steps=2))
+    core.add(req(0, max_tokens=4))
+    core.add(req(1, max_tokens=4))
+    core.step()  # prefill both
+    eng.fail_next = True
+    deltas, stats = core.step()
+    assert stats is None
+    failed = [d for _, d in deltas if d.finish_reason == "error"]
+    assert len(failed) == 1 and "injected failure" in failed[0].error
+    rest = run_all(core)
+    assert rest[-1][1].finish_reason == "length"
+    assert eng.num_used == 0
+
+
+def test_stop_token_ids_and_use_speculation_reach_the_engine():
+    eng = FakeEngine(accept=lambda s, k: k)
+    core = SchedulerCore(eng, SchedulerConfig(max_batch_size=2, pool_size=2, num_speculative_tokens=3))
+    core.add(req(0, max_tokens=8, use_speculation=False))
+    core.add(req(1, max_tokens=8))
+    deltas = run_all(core)
+    by = {}
+    for _, d in deltas:
+        by.setdefault(d.request_id, []).append(d)
+    assert by["0"][-1].num_accepted_tokens == 0 and by["1"][-1].num_accepted_tokens > 0
+
+
+def test_pool_larger_than_engine_slots_is_rejected():
+    with pytest.raises(Exception, match="pool_size"):
+        SchedulerCore(FakeEngine(num_slots=4), SchedulerConfig(max_batch_size=2, pool_size=8))
+
+
+class CharTokenizer:
+    """Token id = one byte; decode is UTF-8 with replacement, like a byte-level BPE on partial input."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def test_incremental_detokenizer_handles_split_multibyte_characters():
+    text = "h\u00e9llo \u65e5\u672c \U0001f600!"
+    data = list(text.encode())
+    detok = IncrementalDetokenizer(CharTokenizer(), [ord("a")])
+    out = ""
+    for i in range(0, len(data), 2):  # two bytes per "step": splits every multi-byte character somewhere
+        piece = detok.add(data[i : i + 2], final=i + 2 >= len(data))
+        assert "\ufffd" not in piece
+        out += piece
+    assert out == text
+
+
+def test_stop_strings_are_cut_and_never_streamed_partially():
+    r = Request("x", [104], SamplingParams(max_tokens=50, stop=("STOP",)), order=0)
+    r.detok = IncrementalDetokenizer(CharTokenizer(), [104])
+    streamed = ""
+    stopped = False
+    for chunk in ["abc S", "TO", "P tail"]:
+        piece, stopped = r.add_tokens(tuple(chunk.encode()), engine_finished=False)
+        streamed += piece
+        if stopped:
+            break
+    assert stopped and streamed == "abc " and r.text == "abc "
+
+
+async def test_async_queue_full_abort_and_shutdown():
+    eng = FakeEngine(num_slots=2, max_model_len=10**9)  # never "length": only the abort can end them
+    sched = AsyncScheduler(eng, SchedulerConfig(max_batch_size=1, pool_size=1, max_waiting=2, max_wait_steps=1))
+    with pytest.raises(SchedulerClosedError):  # not started yet
+        sched.submit([1], SamplingParams())
+    await sched.start()
+    with pytest.raises(InvalidRequestError):
+        sched.submit([], SamplingParams())
+    streams = [sched.submit([1, 2], SamplingParams(max_tokens=100000), request_id=f"r{i}") for i in range(2)]
+    # The worker admits one into the pool; fill the queue again until it refuses.
+    with pytest.raises(QueueFullError):
+        for i in range(2, 10):
+            streams.append(sched.submit([1, 2], SamplingParams(max_tokens=100000), request_id=f"r{i}"))
+    first = await streams[0].__anext__()
+    assert first.token_ids and not first.finished
+    for s in streams:
+        sched.abort(s.request_id)
+    for s in streams:
+        outs = [o async for o in s]
+        assert outs and outs[-1].finish_reason == "abort"
+    await asyncio.sleep(0.05)
+    assert eng.num_used == 0 and sched.num_waiting == 0 and sched.num_running == 0
+    await sched.shutdown(timeout=1)
+    assert not sched.is_alive
+    with pytest.raises(SchedulerClosedError):
+        sched.submit([1], SamplingParams())
+
+
+async def test_shutdown_lets_running_requests_finish_then_aborts_the_rest():
+    eng = FakeEngine(num_slots=4, max_model_len=10**9)
+    sched = AsyncScheduler(eng, SchedulerConfig(max_batch_size=2, pool_size=2, max_wait_steps=1))
+    await sched.start()
+    short = sched.submit([1, 2, 3], SamplingParams(max_tokens=3))
+    endless = sched.submit([1, 2, 3], SamplingParams(max_tokens=10**9))
+    await sched.shutdown(timeout=0.3)
+    assert [o async for o in short][-1].finish_reason == "length"
+    assert [o async for o in endless][-1].finish_reason == "abort"
+    assert eng.num_used == 0
+
+
+async def test_step_listeners_see_every_step():
+    eng = FakeEngine(accept=lambda s, k: 1)
+    sched = AsyncScheduler(eng, SchedulerConfig(max_batch_size=2, pool_size=2, num_speculative_tokens=2))
+    seen = []
+    sched.add_step_listener(seen.append)
+    await sched.start()
+    outs = [o async for o in sched.submit([5, 6], SamplingParams(max_tokens=6))]
+    await sched.shutdown(1)
+    assert sum(o.completion_tokens > 0 for o in outs[-1:]) == 1
+    kinds = [s.kind for s in seen]
+    assert kinds[0] == "prefill" and "grouped" in kinds
+    assert sum(s.num_tokens for s in seen) == 6

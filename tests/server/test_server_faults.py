@@ -1,0 +1,134 @@
+"""Faults no request may turn into a crash: a scheduler that raises, a generation that fails mid-way, a
+step loop that died. A fake scheduler with AsyncScheduler's interface, behind a real uvicorn; no model."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+
+from exspec.scheduler.types import RequestOutput, StepStats
+from exspec.server.app import build_app
+from exspec.server.settings import ServeSettings
+from tests.support.server_fixtures import serve_in_thread
+from tests.support.tiny_models import build_tokenizer
+
+BOOM, FAIL_MIDWAY = 13, 14  # first prompt token that makes the fake raise / fail its generation
+
+
+class FakeStream:
+    def __init__(self, request_id: str, outputs: list[RequestOutput]) -> None:
+        self.request_id = request_id
+        self._outputs = outputs
+
+    def __aiter__(self):
+        return self._gen()
+
+    async def _gen(self):
+        for out in self._outputs:
+            await asyncio.sleep(0)
+            yield out
+
+
+class FakeScheduler:
+    """Deterministic deltas, no engine: "ab" then "cd" and length; or "ab" then a failed step."""
+
+    def __init__(self, tokenizer) -> None:
+        self.engine = SimpleNamespace(tokenizer=tokenizer, max_model_len=64, eos_token_ids=(2,),
+                                      pair=SimpleNamespace(name="fake"))
+        self.is_alive = True
+        self.is_accepting = True
+        self.num_running = self.num_waiting = 0
+        self.kv_slots_used_ratio = 0.0
+        self.aborted: list[str] = []
+        self.listeners = []
+
+    async def start(self) -> None:
+        pass
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        self.is_accepting = self.is_alive = False
+
+    def add_step_listener(self, fn) -> None:
+        self.listeners.append(fn)
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def submit(self, prompt_token_ids, params, request_id=None) -> FakeStream:
+        if prompt_token_ids[0] == BOOM:
+            raise RuntimeError("the fake scheduler exploded")
+        n = len(prompt_token_ids)
+        first = RequestOutput(request_id, (40, 41), "ab", False, None, n, 2, queue_time_s=0.001)
+        if prompt_token_ids[0] == FAIL_MIDWAY:
+            last = RequestOutput(request_id, (), "", True, "error", n, 2, error="internal error in the engine step")
+        else:
+            last = RequestOutput(request_id, (42, 43), "cd", True, "length", n, 4)
+        for fn in self.listeners:
+            fn(StepStats("grouped", 1, 2, 2, (1, 0), 2, 0, 0.001, 0.002, 0.003))
+        return FakeStream(request_id, [first, last])
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory):
+    tokenizer = build_tokenizer(tmp_path_factory.mktemp("fake-tok"))
+    scheduler = FakeScheduler(tokenizer)
+    with serve_in_thread(build_app(scheduler, ServeSettings(_env_file=None))) as (base, server, thread):
+        yield base, scheduler
+
+
+def test_fake_happy_path(fake):
+    base, _ = fake
+    r = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0).completions.create(
+        model="fake", prompt=[5, 6], max_tokens=4)
+    assert r.choices[0].text == "abcd" and r.usage.completion_tokens == 4
+
+
+def test_an_exception_is_a_500_error_object_and_the_server_lives_on(fake):
+    base, _ = fake
+    r = httpx.post(base + "/v1/completions", json={"prompt": [BOOM, 1], "max_tokens": 4})
+    assert r.status_code == 500
+    assert "exploded" in r.json()["error"]["message"] and r.json()["error"]["type"] == "internal_error"
+    assert httpx.post(base + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 4}).status_code == 200
+
+
+def test_failed_generation_non_stream_is_500(fake):
+    base, _ = fake
+    r = httpx.post(base + "/v1/completions", json={"prompt": [FAIL_MIDWAY, 1], "max_tokens": 4})
+    assert r.status_code == 500 and "internal error in the engine step" in r.json()["error"]["message"]
+
+
+def test_failed_generation_stream_sends_an_error_event(fake):
+    base, _ = fake
+    body = {"prompt": [FAIL_MIDWAY, 1], "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data:")]
+    assert '"text":"ab"' in events[0]
+    assert '"error"' in events[-2] and "internal error in the engine step" in events[-2]
+    assert events[-1] == "data: [DONE]"
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.APIError, match="internal error in the engine step"):
+        for _ in client.completions.create(model="fake", prompt=[FAIL_MIDWAY, 1], max_tokens=4, stream=True):
+            pass
+
+
+def test_n_choices_with_one_failing_submit_aborts_the_others(fake):
+    base, scheduler = fake
+    before = len(scheduler.aborted)
+    r = httpx.post(base + "/v1/completions", json={"prompt": [[5, 6], [BOOM, 1]], "max_tokens": 4, "n": 2})
+    assert r.status_code == 500
+    assert len(scheduler.aborted) == before + 2  # both choices of the first prompt
+
+
+def test_health_turns_503_when_the_step_loop_dies(fake):
+    base, scheduler = fake
+    assert httpx.get(base + "/health").status_code == 200
+    scheduler.is_alive = False
+    try:
+        r = httpx.get(base + "/health")
+        assert r.status_code == 503 and "step loop" in r.json()["error"]["message"]
+    finally:
+        scheduler.is_alive = True
