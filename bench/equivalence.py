@@ -9,17 +9,11 @@ kernels reduce in another order, and that can flip an argmax so close. Any other
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
+
+from exspec.loadtest.reference import first_divergence  # noqa: F401 (re-exported: one definition)
 
 # fp32 keeps ~1e-6 relative error through a forward; bf16/fp16 keep 8/11 bits of mantissa.
 NEAR_TIE_EPS = {"float32": 1e-3, "fp32": 1e-3, "bfloat16": 0.05, "bf16": 0.05, "float16": 0.05, "fp16": 0.05}
-
-
-def first_divergence(output: list[int], reference: list[int]) -> int | None:
-    """The first index where the two differ (a length difference counts); None when identical."""
-    if output == reference:
-        return None
-    return next((j for j, (a, r) in enumerate(zip(output, reference)) if a != r), min(len(output), len(reference)))
 
 
 def classify_divergences(outputs: list[list[int]], references: list[list[int]],
@@ -48,35 +42,16 @@ def top2_gap(model, token_ids: list[int], vocab_size: int) -> float:
     return float(top[0] - top[1])
 
 
-class TargetReference:
-    """The target alone, greedy, at batch 1, through our engine with k = 0: what every greedy output of a
-    speculative server must reproduce token for token."""
+def top2_gaps_along(model, prompt: list[int], output: list[int], vocab_size: int) -> list[float]:
+    """The top-2 logit gap before each generated token: gap[j] is `top2_gap(model, prompt + output[:j])`,
+    all from one causal forward over prompt + output[:-1] (no cache). [len(output)] floats."""
+    import torch
 
-    def __init__(self, model_dir: Path, device: str = "cpu", dtype: str = "float32") -> None:
-        from exspec.engine import EngineConfig, load_model_pair
-
-        self.model_dir = Path(model_dir)
-        self.device, self.dtype = device, dtype
-        self.pair = load_model_pair(EngineConfig(model=self.model_dir, device=device, dtype=dtype))
-        self.tokenizer = self.pair.tokenizer
-
-    def generate(self, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = False) -> list[list[int]]:
-        from exspec.engine import EngineConfig, SamplingParams, SpecEngine
-        from exspec.scheduler import SchedulerConfig, generate_offline
-
-        engine = SpecEngine(
-            EngineConfig(model=self.model_dir, device=self.device, dtype=self.dtype, max_num_seqs=1,
-                         max_model_len=max(len(p) for p in prompts) + max_tokens + 1, max_num_speculative_tokens=0),
-            pair=self.pair,
-        )
-        params = [SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)] * len(prompts)
-        results, _ = generate_offline(engine, prompts, params,
-                                      SchedulerConfig(max_batch_size=1, pool_size=1, max_waiting=10**9,
-                                                      num_speculative_tokens=0))
-        return [r.token_ids for r in results]
-
-    def compare(self, prompts: list[list[int]], outputs: list[list[int]], references: list[list[int]]) -> list[dict]:
-        eps = NEAR_TIE_EPS[self.dtype]
-        return classify_divergences(
-            outputs, references, lambda i, prefix: top2_gap(self.pair.target, prompts[i] + prefix, self.pair.vocab_size), eps
-        )
+    if not output:
+        return []
+    with torch.inference_mode():
+        device = next(model.parameters()).device
+        ids = torch.tensor([prompt + output[:-1]], device=device)  # [1, P + n - 1]
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 :, :vocab_size].float()  # [n, V]
+        top = torch.topk(logits, 2, dim=-1).values  # [n, 2]
+        return (top[:, 0] - top[:, 1]).tolist()

@@ -1,29 +1,43 @@
-"""Write `exspec bench` results: `results.json` (a list of rows), `results.md` (tables) and `throughput.png`."""
+"""Write `exspec bench` results: `results.json` (a list of rows), `results.md` (tables) and, when matplotlib is
+installed (`pip install 'exspec[bench]'`), `throughput.png`."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 RATIOS = (  # (numerator, denominator) of the ratio table, per batch size
     ("exspec", "target-ar"),
     ("exspec", "hf-generate"),
-    ("exspec", "exspec-mixed"),
+    ("exspec", "exspec-fixed"),  # the default policy against a fixed k
+    ("exspec-fixed", "exspec-mixed"),  # what grouping alone gains at a fixed k
     ("exspec", "hf-assisted"),  # B = 1 only: hf-assisted runs at batch 1
+    ("exspec-fixed", "hf-assisted"),
 )
+NO_PLOT = "exspec bench: matplotlib is not installed, so no throughput.png: pip install 'exspec[bench]' gives the plot"
 
 
 def write_results(rows: list[dict], out_dir: Path, meta: dict) -> dict[str, Path]:
-    """Write the three files into out_dir (created if missing); return their paths by kind."""
+    """Write results.json, results.md and (with matplotlib) throughput.png into out_dir (created if
+    missing); return their paths by kind ("png" only when the plot was written)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out_dir / "results.json", "md": out_dir / "results.md", "png": out_dir / "throughput.png"}
+    paths = {"json": out_dir / "results.json", "md": out_dir / "results.md"}
     _write_atomic(paths["json"], json.dumps(rows, indent=2) + "\n")
     _write_atomic(paths["md"], markdown(rows, meta))
     detail = ", ".join(f"{k} {meta[k]}" for k in ("device", "dtype", "k", "max_tokens") if k in meta)
-    plot(rows, paths["png"], title=meta.get("title", "exspec bench") + (f" ({detail})" if detail else ""))
+    png = out_dir / "throughput.png"
+    if plot(rows, png, title=meta.get("title", "exspec bench") + (f" ({detail})" if detail else "")):
+        paths["png"] = png
+    else:
+        print(NO_PLOT, file=sys.stderr)
     return paths
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    _write_atomic(path, text)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -74,8 +88,12 @@ def markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], path: Path, title: str = "exspec bench") -> None:
-    import matplotlib
+def plot(rows: list[dict], path: Path, title: str = "exspec bench") -> bool:
+    """Tokens/s against B per method, as a PNG; False (nothing written) when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -98,3 +116,4 @@ def plot(rows: list[dict], path: Path, title: str = "exspec bench") -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+    return True

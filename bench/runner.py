@@ -13,8 +13,10 @@ Methods (`METHODS`):
 - `target-ar`: the target alone through our engine and scheduler, k = 0, pool W = B.
 - `hf-generate`: `model.generate()` of the target on static left-padded batches of B prompts.
 - `hf-assisted`: Hugging Face assisted generation (`assistant_model=draft`), k fixed, batch 1 only.
-- `exspec-mixed`: exspec with every step through the mixed-length path (`force_mixed=True`).
-- `exspec`: exspec with EXSPEC grouping, pool W = pool_factor * B.
+- `exspec-mixed`: exspec at a fixed k with every step through the mixed-length path (`force_mixed=True`).
+- `exspec-fixed`: exspec at a fixed k with EXSPEC grouping, pool W = pool_factor * B.
+- `exspec`: exspec exactly as served by default: `SchedulerConfig`'s default speculation policy (not passed
+  here, so the row follows the default wherever it goes), k as the largest k, pool W = pool_factor * B.
 
 Output equivalence is measured against `target-ar` at B = 1, per prompt: identical generated token ids, or
 a divergence, classified as a near-tie when the reference's top-2 logit gap at the first differing position
@@ -33,10 +35,13 @@ import torch
 
 from exspec.engine import EngineConfig, ExspecError, ModelPair, SamplingParams, SpecEngine, load_model_pair
 from exspec.data import DatasetError, all_questions, encode_prompts, evenly_spaced, load_questions
-from exspec.bench.equivalence import NEAR_TIE_EPS, classify_divergences, top2_gap
+from exspec.bench.equivalence import NEAR_TIE_EPS, classify_divergences, top2_gap, top2_gaps_along
+from exspec.loadtest.reference import ReferenceRow
 from exspec.scheduler import SchedulerConfig, generate_offline
 
-METHODS = ("target-ar", "hf-generate", "hf-assisted", "exspec-mixed", "exspec")
+METHODS = ("target-ar", "hf-generate", "hf-assisted", "exspec-mixed", "exspec-fixed", "exspec")
+ENGINE_METHODS = ("target-ar", "exspec-mixed", "exspec-fixed", "exspec")  # through our engine and scheduler
+DRAFT_METHODS = ("hf-assisted", "exspec-mixed", "exspec-fixed", "exspec")  # need a draft model
 REFERENCE = ("target-ar", 1)  # (method, batch size) every method's outputs are compared with
 TIMING = (
     "generated tokens / wall time of the whole offline run (first prompt handed over to last token on the "
@@ -52,15 +57,15 @@ class BenchError(ExspecError):
 @dataclass(frozen=True)
 class BenchConfig:
     model: Path  # target model directory
-    draft_model: Path | None  # draft directory; needed by hf-assisted, exspec-mixed and exspec
-    device: str = "cpu"
-    dtype: str = "float32"
+    draft_model: Path | None  # draft directory; needed by DRAFT_METHODS
+    device: str = "cpu"  # resolved: "cpu", "cuda" or "cuda:N" (resolve_device_dtype turns "auto" into one)
+    dtype: str = "float32"  # resolved: a key of NEAR_TIE_EPS
     methods: tuple[str, ...] = METHODS
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     num_prompts: int = 32  # SpecBench questions, evenly spaced over those that fit max_prompt_len
     max_prompt_len: int | None = None  # questions longer than this many tokens are left out; None: no limit
     max_tokens: int = 128  # new tokens per prompt (fewer when EOS comes first)
-    num_speculative_tokens: int = 5  # k of hf-assisted, exspec-mixed and exspec
+    num_speculative_tokens: int = 4  # k of DRAFT_METHODS (the largest k for `exspec`), as serve/generate
     pool_factor: int = 4  # exspec's pool W = pool_factor * B (capped at max(B, num_prompts))
     repeats: int = 3  # timed runs per (method, B); the median is reported
     chat_template: bool = False  # prompts through the tokenizer's chat template
@@ -90,7 +95,7 @@ class BenchConfig:
             bad("--repeats", ">= 1", self.repeats)
         if self.dtype not in NEAR_TIE_EPS:
             bad("--dtype", f"one of {sorted(NEAR_TIE_EPS)}", self.dtype)
-        needs_draft = [m for m in self.methods if m in ("hf-assisted", "exspec-mixed", "exspec")]
+        needs_draft = [m for m in self.methods if m in DRAFT_METHODS]
         if needs_draft and self.draft_model is None:
             raise BenchError(f"methods {', '.join(needs_draft)} need a draft model: pass --draft-model")
 
@@ -133,7 +138,8 @@ class BenchRow:
     decode_seconds: float  # median wall time of the timed runs (TIMING)
     seconds_per_repeat: list[float] = field(default_factory=list)
     pool_size: int | None = None  # W for our engine's methods
-    num_speculative_tokens: int = 0  # k used (0: no drafts)
+    num_speculative_tokens: int = 0  # k used (0: no drafts; the largest k for an adaptive policy)
+    speculation: str | None = None  # the scheduler's speculation policy for our engine's methods
     divergences: list[dict] = field(default_factory=list)  # {prompt, position, gap, kind} per divergence
 
     def to_dict(self) -> dict:
@@ -165,6 +171,7 @@ class Bench:
             )
         self.pad_id = self._pad_id()
         self._gap_cache: dict[tuple[int, int], float] = {}
+        self.reference: list[list[int]] | None = None  # target-ar B = 1 outputs, once run() is done
 
     def _select_prompts(self, tok) -> list[list[int]]:
         """`num_prompts` SpecBench questions (`turns[0]`) evenly spaced over those within max_prompt_len."""
@@ -215,6 +222,7 @@ class Bench:
             reference = runs[REFERENCE][0].outputs
         else:
             reference = self._runner(*REFERENCE)(self.prompts).outputs
+        self.reference = reference
         rows = [self._row(m, b, runs[(m, b)], reference) for m, b in points]
         _tick(bar)
         if bar is not None:
@@ -246,8 +254,9 @@ class Bench:
             generated_tokens=first.generated_tokens,
             decode_seconds=median_s,
             seconds_per_repeat=seconds,
-            pool_size=self._pool_size(method, b) if method in ("target-ar", "exspec-mixed", "exspec") else None,
+            pool_size=self._pool_size(method, b) if method in ENGINE_METHODS else None,
             num_speculative_tokens=0 if method in ("target-ar", "hf-generate") else self.config.num_speculative_tokens,
+            speculation=self._scheduler_config(method, b).speculation if method in ENGINE_METHODS else None,
             divergences=divergences,
         )
 
@@ -255,7 +264,7 @@ class Bench:
 
     def _runner(self, method: str, b: int):
         """A callable running every given prompt with `method` at batch size b; built once per point."""
-        if method in ("target-ar", "exspec-mixed", "exspec"):
+        if method in ENGINE_METHODS:
             return self._engine_runner(method, b)
         if method == "hf-generate":
             return lambda prompts, warmup=False: self._hf_generate(prompts, b, warmup)
@@ -265,6 +274,15 @@ class Bench:
         if method == "target-ar":
             return b
         return max(b, min(self.config.pool_factor * b, len(self.prompts)))
+
+    def _scheduler_config(self, method: str, b: int) -> SchedulerConfig:
+        """`exspec` passes no `speculation`: it measures the scheduler's default policy, whatever it is."""
+        k = 0 if method == "target-ar" else self.config.num_speculative_tokens
+        fields = dict(max_batch_size=b, pool_size=self._pool_size(method, b), max_waiting=10**9,
+                      num_speculative_tokens=k)
+        if method in ("exspec-fixed", "exspec-mixed"):
+            fields.update(speculation="fixed", force_mixed=method == "exspec-mixed")
+        return SchedulerConfig(**fields)
 
     def _engine_runner(self, method: str, b: int):
         cfg = self.config
@@ -283,13 +301,7 @@ class Bench:
             ),
             pair=pair,
         )
-        sched = SchedulerConfig(
-            max_batch_size=b,
-            pool_size=pool,
-            max_waiting=10**9,
-            num_speculative_tokens=k,
-            force_mixed=method == "exspec-mixed",
-        )
+        sched = self._scheduler_config(method, b)
 
         def run(prompts: list[list[int]], warmup: bool = False) -> RunResult:
             max_tokens = min(8, cfg.max_tokens) if warmup else cfg.max_tokens
@@ -393,6 +405,20 @@ class Bench:
     def _divergences(self, outputs: list[list[int]], reference: list[list[int]]) -> list[dict]:
         return classify_divergences(outputs, reference, self._top2_gap, NEAR_TIE_EPS[self.config.dtype])
 
+    def reference_rows(self) -> list[ReferenceRow]:
+        """The target-alone outputs of `run()` in the reference-file format of the load test, with the
+        target's top-2 logit gap before every generated token (one forward per prompt)."""
+        if self.reference is None:
+            raise BenchError("reference_rows() needs run() first")
+        cfg = self.config
+        eps = NEAR_TIE_EPS[cfg.dtype]
+        source = f"exspec bench target-ar B=1 (our engine, k = 0), {Path(cfg.model).name}, {cfg.device} {cfg.dtype}"
+        return [
+            ReferenceRow(prompt, out, cfg.max_tokens, False,
+                         top2_gaps_along(self.pair.target, prompt, out, self.pair.vocab_size), eps, source)
+            for prompt, out in zip(self.prompts, self.reference)
+        ]
+
     def _top2_gap(self, i: int, prefix: list[int]) -> float:
         """The reference's top-2 logit gap after prompt i + prefix, cached (methods often diverge alike)."""
         key = (i, len(prefix))
@@ -410,6 +436,15 @@ def _copy(gen_config):
 def _tick(bar) -> None:
     if bar is not None:
         bar.update(1)
+
+
+def resolve_device_dtype(device: str, dtype: str) -> tuple[str, str]:
+    """"auto" device: cuda when torch sees one, else cpu. "auto" dtype: bfloat16 on cuda, float32 on cpu."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    return device, dtype
 
 
 def run_bench(config: BenchConfig, progress: bool = True) -> list[BenchRow]:

@@ -1,21 +1,22 @@
-"""`exspec bench`: offline throughput of exspec against plain decoding and Hugging Face on SpecBench prompts.
+"""`exspec bench`: offline benchmarks on one model pair (`exspec.bench` does the work; this module only
+parses flags, and its imports stay light until `run`).
 
-Writes DIR/results.json, DIR/results.md and DIR/throughput.png. The benchmark itself is `loadtest.bench`;
-this module only parses flags (its imports stay light until `run`).
+- `--mode throughput` (default): tokens/s of exspec against plain decoding and Hugging Face on SpecBench
+  prompts; writes DIR/results.json, DIR/results.md and, with matplotlib, DIR/throughput.png.
+- `--mode forward`: the time of one target forward per (batch size, kv_len, q_len), consecutive against
+  scattered KV slots; writes DIR/results.json and DIR/results.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
-import sys
-from dataclasses import replace
 from pathlib import Path
 
 from exspec.cli.generate import add_engine_arguments, resolve_models
 
-METHODS = ("target-ar", "hf-generate", "hf-assisted", "exspec-mixed", "exspec")  # == loadtest.bench.METHODS
+# == exspec.bench.runner.METHODS (not imported here: that module imports torch)
+METHODS = ("target-ar", "hf-generate", "hf-assisted", "exspec-mixed", "exspec-fixed", "exspec")
+SYNTHETIC = ("tiny", "350m", "1b", "8b")  # == exspec.bench.synthetic.SHAPES
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -38,69 +39,40 @@ def _methods(text: str) -> tuple[str, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
+    p.set_defaults(device="auto", dtype="auto")
+    for action in p._actions:
+        if action.dest == "device":
+            action.help = "auto, cpu, cuda or cuda:N (default: auto: cuda when available)"
+        elif action.dest == "dtype":
+            action.help = "auto, float32, bfloat16 or float16 (default: auto: bfloat16 on cuda, float32 on cpu)"
+    p.add_argument("--mode", choices=["throughput", "forward"], default="throughput",
+                   help="throughput: tokens/s per method (default); forward: one target forward, consecutive "
+                        "against scattered KV slots")
+    p.add_argument("--synthetic", choices=SYNTHETIC, default=None,
+                   help="benchmark a random Llama-shaped pair built in seconds (no training, no download): "
+                        "tiny (tests), 350m (CPU), 1b, 8b (GPU); instead of --model")
+    p.add_argument("--synthetic-cache", type=Path, default=Path.home() / ".cache" / "exspec" / "synthetic",
+                   help="where synthetic pairs are cached (default: ~/.cache/exspec/synthetic)")
     p.add_argument("--output", type=Path, default=Path("bench-results"), help="output directory (default: bench-results)")
     p.add_argument("--methods", type=_methods, default=METHODS, help=f"comma-separated (default: {','.join(METHODS)})")
     p.add_argument("--batch-sizes", type=_int_list, default=(1, 2, 4, 8, 16, 32), help="default: 1,2,4,8,16,32")
+    p.add_argument("--kv-lens", type=_int_list, default=(256, 2048), help="forward mode: keys per row (default: 256,2048)")
     p.add_argument("--num-prompts", type=int, default=32, help="SpecBench questions, evenly spaced (default: 32)")
     p.add_argument("--max-prompt-len", type=int, default=None, help="leave out questions longer than this many tokens (default: no limit)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default: 128)")
-    p.add_argument("--num-speculative-tokens", type=int, default=5, help="k (default: 5)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="k, as serve and generate (default: 4)")
     p.add_argument("--pool-factor", type=int, default=4, help="exspec pool W = factor x B, capped at the prompt count (default: 4)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per point; the median is reported (default: 3)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed runs per point; the median is reported (default: 3; forward mode: 7)")
     p.add_argument("--chat-template", action="store_true", help="prompts as a user turn through the chat template")
+    p.add_argument("--write-reference", type=Path, default=None,
+                   help="also write the target-alone (target-ar, B=1) outputs as a reference JSONL for "
+                        "`python -m exspec.loadtest --reference FILE`")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each point")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
-    from exspec.bench.runner import NEAR_TIE_EPS, TIMING, BenchConfig, BenchError, run_bench
-    from exspec.bench.report import write_results
+    from exspec.bench.command import run_command
 
-    if args.output.exists() and not args.output.is_dir():
-        raise BenchError(f"--output {str(args.output)!r} exists and is not a directory")
-    # Validate every option before the demo pair may be built (minutes): placeholders stand for its paths.
-    config = BenchConfig(
-        model=args.model or Path("<demo target>"),
-        draft_model=args.draft_model if args.model is not None else Path("<demo draft>"),
-        device=args.device,
-        dtype=args.dtype,
-        methods=args.methods,
-        batch_sizes=args.batch_sizes,
-        num_prompts=args.num_prompts,
-        max_prompt_len=args.max_prompt_len,
-        max_tokens=args.max_tokens,
-        num_speculative_tokens=args.num_speculative_tokens,
-        pool_factor=args.pool_factor,
-        repeats=args.repeats,
-        chat_template=args.chat_template,
-        max_model_len=args.max_model_len,
-        warmup=not args.no_warmup,
-    )
-    target, draft = resolve_models(args)
-    config = replace(config, model=target, draft_model=draft)
-    import torch
-
-    rows = [r.to_dict() for r in run_bench(config, progress=not args.no_progress)]
-    meta = {
-        "title": "exspec bench",
-        "command": "exspec " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "exspec bench",
-        "target": str(target),
-        "draft": str(draft),
-        "device": args.device,
-        "dtype": args.dtype,
-        "prompts": f"{config.num_prompts} SpecBench turns[0]" + (" (chat template)" if config.chat_template else "")
-                   + (f", at most {config.max_prompt_len} tokens" if config.max_prompt_len else ""),
-        "max_tokens": config.max_tokens,
-        "k": config.num_speculative_tokens,
-        "repeats": config.repeats,
-        "tokens/s": TIMING,
-        "near-tie": f"reference top-2 logit gap < {NEAR_TIE_EPS[config.dtype]} at the first differing position",
-        "torch threads": torch.get_num_threads(),
-        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, python {platform.python_version()}, "
-                   f"torch {torch.__version__}",
-        "date": datetime.date.today().isoformat(),
-    }
-    paths = write_results(rows, args.output, meta)
-    print(paths["md"].read_text(), end="")
-    print(f"exspec bench: wrote {paths['json']}, {paths['md']}, {paths['png']}", file=sys.stderr)
-    return 0
+    return run_command(args, resolve_models)

@@ -1,15 +1,21 @@
-"""`python -m loadtest`: a bounded load test against a running OpenAI-compatible server on this machine.
+"""`python -m exspec.loadtest`: a bounded load test against a running OpenAI-compatible server on this machine.
 
-    python -m loadtest --base-url http://127.0.0.1:8000/v1 --dataset specbench --num-prompts 64 \\
+    python -m exspec.loadtest --base-url http://127.0.0.1:8000/v1 --dataset specbench --num-prompts 64 \\
         --request-rate 4 --max-tokens 128 --output result.json
 
-Prints a vLLM-style table and writes JSON keyed like vLLM's `bench serve` results. With
-`--check-equivalence --reference-model DIR` (greedy only) every output's token ids are compared with the
-target's own greedy output, computed offline by our engine at k = 0 and batch 1 on the same token ids (the
-prompts are then sent as token-id lists, so tokenisation cannot differ).
+Prints a vLLM-style table and writes JSON keyed like vLLM's `bench serve` results. Greedy output
+equivalence needs no model here (loadtest/reference.py defines the file):
+
+    # record the target alone: a server started with --num-speculative-tokens 0
+    python -m exspec.loadtest --tokenizer DIR --num-prompts 32 --write-reference ref.jsonl
+    # (or: exspec bench --methods target-ar --batch-sizes 1 --write-reference ref.jsonl)
+    # then compare a speculative server with it: prompts, max_tokens and ignore_eos come from the file
+    python -m exspec.loadtest --reference ref.jsonl
+
+Prompts are sent as token-id lists in both, so tokenisation cannot differ.
 
 Exit status: 0 when the test ran (failed requests are counted, not fatal), 1 when the equivalence check found
-a real divergence, 2 for a bad option or an unreachable server.
+a divergence that is not a near-tie, 2 for a bad option, a bad reference file or an unreachable server.
 """
 
 from __future__ import annotations
@@ -23,6 +29,13 @@ from pathlib import Path
 
 from exspec.loadtest.client import RequestInput
 from exspec.data import DatasetError, encode_prompts, load_questions, random_prompts
+from exspec.loadtest.reference import (
+    ReferenceError,
+    ReferenceRow,
+    compare_with_reference,
+    read_reference,
+    write_reference,
+)
 from exspec.loadtest.report import format_table, summarize
 from exspec.loadtest.runner import LoadConfig, LoadTestError, first_model, run_load
 
@@ -38,7 +51,7 @@ def _rate(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m exspec.loadtest", description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's /v1 URL (this machine only)")
     p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
@@ -53,13 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no cap)")
     p.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy")
     p.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS (vLLM extension)")
-    p.add_argument("--tokenizer", type=Path, default=None,
-                   help="tokenizer directory: prompts are sent as token ids (default: --reference-model's, if given)")
+    p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory: prompts are sent as token ids")
     p.add_argument("--chat-template", action="store_true", help="with a tokenizer: prompts as a user turn in its chat template")
-    p.add_argument("--check-equivalence", action="store_true", help="compare every greedy output with the target's own")
-    p.add_argument("--reference-model", type=Path, default=None, help="target model directory for --check-equivalence")
-    p.add_argument("--reference-device", default="cpu", help="device of the offline reference (default: cpu)")
-    p.add_argument("--reference-dtype", default="float32", help="dtype of the offline reference (default: float32)")
+    p.add_argument("--reference", type=Path, default=None,
+                   help="greedy reference JSONL: send its prompts (with its max_tokens and ignore_eos) and compare "
+                        "every output with its reference ids; replaces --dataset, --num-prompts and --max-tokens")
+    p.add_argument("--write-reference", type=Path, default=None,
+                   help="record this run's prompts and greedy output ids as a reference JSONL (needs token-id "
+                        "prompts: --tokenizer; run against a server started with --num-speculative-tokens 0)")
     p.add_argument("--seed", type=int, default=0, help="arrival times and random prompts")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request (default: 300)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole test (default: 1800)")
@@ -98,40 +112,52 @@ def build_requests(args, tokenizer) -> list[RequestInput]:
     ]
 
 
-def check_outputs(args, requests: list[RequestInput], results) -> dict:
-    """Compare each completed request's token ids with the target's own greedy output."""
-    from exspec.bench.equivalence import TargetReference
+def reference_requests(rows: list[ReferenceRow]) -> list[RequestInput]:
+    """One request per reference row: its prompt ids and max_tokens."""
+    return [RequestInput(i, r.prompt_token_ids, r.max_tokens, prompt_len=len(r.prompt_token_ids))
+            for i, r in enumerate(rows)]
 
-    ref = TargetReference(args.reference_model, args.reference_device, args.reference_dtype)
-    done = [(q, r) for q, r in zip(requests, results) if r.success]
-    if not done:
-        return {"checked": 0, "matched": 0, "near_ties": 0, "real": 0, "mismatches": []}
-    missing = [r.index for _, r in done if r.token_ids is None or (r.output_tokens and not r.token_ids)]
+
+def _token_ids(results) -> list[list[int]]:
+    """The generated ids of every request (all must have succeeded and returned ids)."""
+    failed = [r.index for r in results if not r.success]
+    if failed:
+        raise LoadTestError(f"requests {failed[:5]} failed: the equivalence check needs every output")
+    missing = [r.index for r in results if r.token_ids is None or (r.output_tokens and not r.token_ids)]
     if missing:
         raise LoadTestError("the server returned no token ids (return_token_ids): cannot check equivalence")
-    prompts = [q.prompt for q, _ in done]
-    max_tokens = requests[0].max_tokens
-    references = ref.generate(prompts, max_tokens, ignore_eos=args.ignore_eos or args.dataset == "random")
-    outputs = [r.token_ids for _, r in done]
-    found = ref.compare(prompts, outputs, references)
+    return [list(r.token_ids) for r in results]
+
+
+def check_outputs(path: Path, rows: list[ReferenceRow], results) -> dict:
+    """Compare each request's generated ids with its reference row."""
+    found = compare_with_reference(_token_ids(results), rows)
+    counts = {kind: sum(1 for d in found if d["kind"] == kind) for kind in ("near-tie", "real", "unclassified")}
     for d in found:
-        d["request"] = done[d.pop("prompt")][1].index
-    near = sum(1 for d in found if d["kind"] == "near-tie")
+        d["request"] = results[d.pop("index")].index
     return {
-        "checked": len(done),
-        "matched": len(done) - len(found),
-        "near_ties": near,
-        "real": len(found) - near,
+        "checked": len(rows),
+        "matched": len(rows) - len(found),
+        "near_ties": counts["near-tie"],
+        "real": counts["real"],
+        "unclassified": counts["unclassified"],
         "mismatches": found,
-        "reference": f"{args.reference_model} alone, greedy, batch 1, our engine at k = 0 ({args.reference_dtype})",
+        "reference": f"{path} ({rows[0].source or 'unknown source'})",
     }
+
+
+def recorded_reference(requests: list[RequestInput], results, ignore_eos: bool, source: str) -> list[ReferenceRow]:
+    """This run's outputs as reference rows (no top-2 gaps: those need the model)."""
+    ids = _token_ids(results)
+    return [ReferenceRow(list(q.prompt), out, q.max_tokens, ignore_eos, None, None, source)
+            for q, out in zip(requests, ids)]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return asyncio.run(_main(args))
-    except (LoadTestError, DatasetError) as e:
+    except (LoadTestError, DatasetError, ReferenceError) as e:
         print(f"loadtest: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -139,22 +165,33 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _main(args) -> int:
-    if args.check_equivalence:
-        if args.reference_model is None:
-            raise LoadTestError("--check-equivalence needs --reference-model DIR (the target model)")
+    greedy_check = args.reference is not None or args.write_reference is not None
+    if greedy_check:
         if args.temperature != 0:
-            raise LoadTestError("--check-equivalence compares greedy outputs: use --temperature 0")
+            raise LoadTestError("--reference / --write-reference compare greedy outputs: use --temperature 0")
         if args.endpoint != "completions":
-            raise LoadTestError("--check-equivalence sends token ids: use --endpoint completions")
-    if args.output is not None and not args.output.resolve().parent.is_dir():
-        raise LoadTestError(f"output directory {str(args.output.resolve().parent)!r} does not exist")
-    tok_dir = args.tokenizer or args.reference_model
-    tokenizer = _load_tokenizer(tok_dir) if tok_dir is not None else None
+            raise LoadTestError("--reference / --write-reference send token ids: use --endpoint completions")
+    if args.reference is not None and args.write_reference is not None:
+        raise LoadTestError("pass one of --reference (compare) and --write-reference (record), not both")
+    for out in (args.output, args.write_reference):
+        if out is not None and not out.resolve().parent.is_dir():
+            raise LoadTestError(f"output directory {str(out.resolve().parent)!r} does not exist")
+    tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
     if args.chat_template and tokenizer is None:
-        raise LoadTestError("--chat-template needs a tokenizer: pass --tokenizer or --reference-model")
+        raise LoadTestError("--chat-template needs a tokenizer: pass --tokenizer")
     if args.endpoint == "chat" and tokenizer is not None:
-        raise LoadTestError("--endpoint chat sends text: leave out --tokenizer / --reference-model")
-    requests = build_requests(args, tokenizer)
+        raise LoadTestError("--endpoint chat sends text: leave out --tokenizer")
+    if args.write_reference is not None and tokenizer is None:
+        raise LoadTestError("--write-reference records token-id prompts: pass --tokenizer")
+    rows = read_reference(args.reference) if args.reference is not None else None
+    if rows is not None:
+        requests = reference_requests(rows)
+        ignore_eos = rows[0].ignore_eos
+        if any(r.ignore_eos != ignore_eos for r in rows):
+            raise LoadTestError(f"{args.reference}: rows disagree on ignore_eos; one run sends one value")
+    else:
+        requests = build_requests(args, tokenizer)
+        ignore_eos = args.ignore_eos or args.dataset == "random"
     model = args.model or await first_model(args.base_url, args.api_key)
     cfg = LoadConfig(
         base_url=args.base_url,
@@ -164,8 +201,8 @@ async def _main(args) -> int:
         request_rate=args.request_rate,
         max_concurrency=args.max_concurrency,
         temperature=args.temperature,
-        ignore_eos=args.ignore_eos or args.dataset == "random",
-        return_token_ids=args.check_equivalence,
+        ignore_eos=ignore_eos,
+        return_token_ids=greedy_check,
         seed=args.seed,
         request_timeout=args.request_timeout,
         total_timeout=args.timeout,
@@ -177,24 +214,28 @@ async def _main(args) -> int:
         "backend": "openai" if args.endpoint == "completions" else "openai-chat",
         "base_url": args.base_url,
         "model_id": model,
-        "dataset_name": args.dataset,
+        "dataset_name": "reference" if rows is not None else args.dataset,
         "num_prompts": len(requests),
         "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
         "burstiness": 1.0,
         "max_concurrency": args.max_concurrency,
         "max_tokens": requests[0].max_tokens,
         "temperature": args.temperature,
-        "prompts_as_token_ids": tokenizer is not None,
+        "prompts_as_token_ids": tokenizer is not None or rows is not None,
     }
     result = {**header, **metrics}
-    if args.check_equivalence:
-        result["equivalence"] = await asyncio.to_thread(check_outputs, args, requests, results)
+    if rows is not None:
+        result["equivalence"] = check_outputs(args.reference, rows, results)
     print(format_table(result))
+    if args.write_reference is not None:
+        source = f"{model} at {args.base_url}, greedy, python -m exspec.loadtest"
+        write_reference(args.write_reference, recorded_reference(requests, results, ignore_eos, source))
+        print(f"loadtest: wrote {args.write_reference}", file=sys.stderr)
     if args.output is not None:
         args.output.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
         print(f"loadtest: wrote {args.output}", file=sys.stderr)
     eq = result.get("equivalence")
-    return 1 if eq and eq["real"] else 0
+    return 1 if eq and (eq["real"] or eq["unclassified"]) else 0
 
 
 if __name__ == "__main__":

@@ -101,7 +101,8 @@ def format_table(m: dict, title: str = "Serving Benchmark Result") -> str:
         lines.append(f"{'Output equivalence (greedy)':-^{width}}")
         row("Checked requests:", eq["checked"])
         row("Identical to the reference:", eq["matched"])
-        row("Mismatches (near-tie / real):", f"{eq['near_ties']} / {eq['real']}")
+        row("Mismatches (near-tie / real / unclassified):",
+            f"{eq['near_ties']} / {eq['real']} / {eq.get('unclassified', 0)}")
     errors = [e for e in m.get("errors", []) if e]
     if errors:
         lines.append(f"{'Errors':-^{width}}")

@@ -1,23 +1,30 @@
 """`exspec bench` end to end on a tiny random pair (3 prompts, 8 tokens, B = 1, 2, every method): the
-structure of results.json / results.md / throughput.png and the consistency of the numbers. No speed
-thresholds: the tiny random pair on a shared CI machine says nothing about speed."""
+structure of results.json / results.md / throughput.png and the consistency of the numbers; the reference
+file it writes; the plot left out without matplotlib; `--mode forward` and `--synthetic tiny`. No speed
+thresholds: tiny random models on a shared CI machine say nothing about speed."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
-from exspec.bench.equivalence import classify_divergences, first_divergence
+from exspec.bench.equivalence import classify_divergences, first_divergence, top2_gap, top2_gaps_along
+from exspec.bench.report import NO_PLOT, write_results
 from exspec.cli.main import main
+from exspec.loadtest.reference import read_reference
+from exspec.scheduler import SchedulerConfig
 from tests.support.tiny_models import build_pair
 
 KEYS = {
     "method", "batch_size", "tokens_per_s", "mean_acceptance_length", "grouped_fraction", "equivalence_rate",
     "near_ties", "real_divergences", "num_prompts", "generated_tokens", "decode_seconds",
 }
-POINTS = {("target-ar", 1), ("hf-generate", 1), ("hf-assisted", 1), ("exspec-mixed", 1), ("exspec", 1),
-          ("target-ar", 2), ("hf-generate", 2), ("exspec-mixed", 2), ("exspec", 2)}
+POINTS = {("target-ar", 1), ("hf-generate", 1), ("hf-assisted", 1), ("exspec-mixed", 1), ("exspec-fixed", 1),
+          ("exspec", 1), ("target-ar", 2), ("hf-generate", 2), ("exspec-mixed", 2), ("exspec-fixed", 2),
+          ("exspec", 2)}
+SPECULATIVE = ("exspec", "exspec-fixed", "exspec-mixed")
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +39,8 @@ def bench_dir(pair, tmp_path_factory):
     rc = main([
         "bench", "--model", str(target), "--draft-model", str(draft), "--num-prompts", "3", "--max-tokens", "8",
         "--batch-sizes", "1,2", "--num-speculative-tokens", "2", "--repeats", "1", "--max-prompt-len", "64",
-        "--no-warmup", "--no-progress", "--output", str(out),
+        "--no-warmup", "--no-progress", "--output", str(out), "--device", "cpu",
+        "--write-reference", str(out / "ref.jsonl"),
     ])
     assert rc == 0
     return out
@@ -68,9 +76,13 @@ def test_numbers_are_consistent(rows):
         assert by[("hf-generate", b)]["mean_acceptance_length"] == 1.0
         assert by[("hf-generate", b)]["grouped_fraction"] is None
         assert by[("exspec-mixed", b)]["grouped_fraction"] == 0.0
-        for m in ("exspec", "exspec-mixed"):
+        for m in SPECULATIVE:
             assert 1.0 <= by[(m, b)]["mean_acceptance_length"] <= 3.0  # k = 2: at most 3 tokens a step
             assert by[(m, b)]["num_speculative_tokens"] == 2
+        # `exspec` runs the scheduler's default policy; the fixed-k rows say so
+        assert by[("exspec", b)]["speculation"] == SchedulerConfig().speculation
+        assert by[("exspec-fixed", b)]["speculation"] == by[("exspec-mixed", b)]["speculation"] == "fixed"
+        assert by[("hf-generate", b)]["speculation"] is None
     assert by[("exspec", 2)]["pool_size"] == 3  # 4 x B, capped at the 3 prompts
     assert by[("target-ar", 2)]["pool_size"] == 2
 
@@ -79,7 +91,7 @@ def test_exspec_and_plain_decoding_reproduce_the_target_exactly(rows):
     """fp32 tiny pair: our engine's methods give the target's own greedy tokens on every prompt."""
     reference = next(r for r in rows if (r["method"], r["batch_size"]) == ("target-ar", 1))
     for r in rows:
-        if r["method"] in ("target-ar", "exspec", "exspec-mixed"):
+        if r["method"] in ("target-ar", *SPECULATIVE):
             assert r["equivalence_rate"] == 1.0, r
             assert r["real_divergences"] == 0
             assert r["generated_tokens"] == reference["generated_tokens"]
@@ -88,7 +100,8 @@ def test_exspec_and_plain_decoding_reproduce_the_target_exactly(rows):
 def test_markdown_table_ratios_and_plot(bench_dir, rows):
     md = (bench_dir / "results.md").read_text()
     assert "| method | B | tokens/s |" in md
-    for header in ("exspec / target-ar", "exspec / hf-generate", "exspec / exspec-mixed", "exspec / hf-assisted"):
+    for header in ("exspec / target-ar", "exspec / hf-generate", "exspec / exspec-fixed",
+                   "exspec-fixed / exspec-mixed", "exspec / hf-assisted"):
         assert header in md
     assert md.count("\n| exspec |") == 2
     by = {(r["method"], r["batch_size"]): r["tokens_per_s"] for r in rows}
@@ -118,3 +131,77 @@ def test_divergences_are_classified_by_the_reference_gap():
         {"prompt": 0, "position": 1, "gap": 1e-5, "kind": "near-tie"},
         {"prompt": 1, "position": 0, "gap": 2.0, "kind": "real"},
     ]
+
+
+def test_the_reference_file_holds_the_target_alone_with_its_gaps(bench_dir, rows, pair):
+    """--write-reference: one row per prompt, the target-ar B = 1 outputs, and gap[j] equal to the top-2 gap
+    of the target run on prompt + output[:j] (what the near-tie check needs)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ref = read_reference(bench_dir / "ref.jsonl")
+    assert len(ref) == 3
+    target_ar = next(r for r in rows if (r["method"], r["batch_size"]) == ("target-ar", 1))
+    assert sum(len(x.output_token_ids) for x in ref) == target_ar["generated_tokens"]
+    model = AutoModelForCausalLM.from_pretrained(pair[0], dtype=torch.float32).eval()
+    for x in ref:
+        assert x.max_tokens == 8 and x.near_tie_eps == 1e-3 and len(x.top2_gaps) == len(x.output_token_ids)
+        for j in (0, len(x.output_token_ids) - 1):
+            assert x.top2_gaps[j] == pytest.approx(
+                top2_gap(model, x.prompt_token_ids + x.output_token_ids[:j], 320), rel=1e-4, abs=1e-5)
+        # the reference is the target's own greedy output
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([x.prompt_token_ids]), do_sample=False, max_new_tokens=8,
+                                 eos_token_id=2, pad_token_id=3)
+        assert out[0, len(x.prompt_token_ids):].tolist()[: len(x.output_token_ids)] == x.output_token_ids
+    assert top2_gaps_along(model, [5, 6], [], 320) == []
+
+
+def test_without_matplotlib_the_plot_is_skipped_with_one_line(rows, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    paths = write_results(rows, tmp_path, {"title": "t"})
+    assert set(paths) == {"json", "md"}
+    assert json.loads((tmp_path / "results.json").read_text()) == rows
+    assert not (tmp_path / "throughput.png").exists()
+    err = capsys.readouterr().err
+    assert err.strip() == NO_PLOT and "pip install 'exspec[bench]'" in err
+
+
+def test_forward_mode_times_every_point_in_both_layouts(tmp_path):
+    out = tmp_path / "fwd"
+    rc = main(["bench", "--mode", "forward", "--synthetic", "tiny", "--synthetic-cache", str(tmp_path / "cache"),
+               "--batch-sizes", "1,3", "--kv-lens", "8,20", "--num-speculative-tokens", "2", "--repeats", "2",
+               "--device", "cpu", "--output", str(out)])
+    assert rc == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    expected = {(b, kv, q, s) for b in (1, 3) for kv in (8, 20) for q in (1, 3) for s in ("consecutive", "scattered")}
+    assert {(r["batch_size"], r["kv_len"], r["q_len"], r["slots"]) for r in rows} == expected
+    assert len(rows) == len(expected)
+    for r in rows:
+        assert r["forward_ms"] > 0 and len(r["forward_ms_repeats"]) == 2
+        assert min(r["forward_ms_repeats"]) <= r["forward_ms"] <= max(r["forward_ms_repeats"])
+    md = (out / "results.md").read_text()
+    assert "| B | kv_len | q_len | consecutive ms | scattered ms | scattered / consecutive |" in md
+    assert md.count("x |") == len(expected) // 2
+
+
+def test_synthetic_pair_is_built_cached_and_benchmarked(tmp_path):
+    from exspec.bench.synthetic import ensure_synthetic_pair
+
+    cache = tmp_path / "cache"
+    out = tmp_path / "out"
+    rc = main(["bench", "--synthetic", "tiny", "--synthetic-cache", str(cache), "--methods",
+               "target-ar,exspec-fixed,hf-assisted", "--batch-sizes", "1", "--num-prompts", "2", "--max-tokens", "6",
+               "--max-prompt-len", "48", "--repeats", "1", "--no-warmup", "--no-progress", "--device", "cpu",
+               "--output", str(out)])
+    assert rc == 0
+    rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())}
+    assert set(rows) == {"target-ar", "exspec-fixed", "hf-assisted"}
+    assert rows["exspec-fixed"]["equivalence_rate"] == 1.0  # fp32: the target's own tokens
+    target, draft, info = ensure_synthetic_pair("tiny", cache)  # cached: no rebuild
+    assert (target / "config.json").exists() and (draft / "config.json").exists()
+    assert 0.0 <= info["agreement"] <= 1.0 and info["parameters"]["draft"] < info["parameters"]["target"]
+    md = (out / "results.md").read_text()
+    assert "synthetic draft agreement" in md and f"{info['agreement']:.3f}" in md
+    with pytest.raises(Exception, match="--synthetic must be one of"):
+        ensure_synthetic_pair("huge", cache)

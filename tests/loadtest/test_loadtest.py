@@ -1,15 +1,21 @@
 """`python -m loadtest` against a real exspec server (uvicorn over `build_app`, tiny random pair, loopback):
-the report's structure and the consistency of its numbers, greedy equivalence with the target, errors.
+the report's structure and the consistency of its numbers, greedy equivalence with a reference file (from a
+k = 0 server or from `exspec bench`), errors, and that the load test imports nothing of the engine.
 No speed thresholds."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from exspec.loadtest.__main__ import main
+from exspec.loadtest.reference import ReferenceRow, compare_with_reference, read_reference, write_reference
 from exspec.loadtest.report import percentile
 from exspec.loadtest.runner import LoadTestError, arrival_offsets, check_loopback
 from tests.support.server_fixtures import running_server
@@ -59,21 +65,120 @@ def _check_consistent(r: dict, n: int) -> None:
     assert r["p99_e2el_ms"] <= r["duration"] * 1000.0 + 1.0
 
 
-def test_poisson_token_ids_with_equivalence_check(srv, pair, tmp_path, capsys):
-    """Random token-id prompts, ignore_eos: every request yields exactly max_tokens tokens, and every
-    greedy output equals the target's own (our engine at k = 0, batch 1)."""
-    rc, r = _run(srv, tmp_path, "--dataset", "random", "--num-prompts", "6", "--random-input-len", "12",
-                 "--random-output-len", "8", "--request-rate", "50", "--check-equivalence",
-                 "--reference-model", str(pair[0]))
+@pytest.fixture(scope="module")
+def srv0(pair):
+    """The target alone: a server at k = 0 with no draft."""
+    with running_server(pair[0], None, max_model_len=128, max_batch_size=4, pool_size=8,
+                        num_speculative_tokens=0, api_key=API_KEY) as s:
+        yield s
+
+
+def test_reference_from_a_k0_server_matches_a_speculative_server(srv0, srv, pair, tmp_path, capsys):
+    """Record the target alone (a k = 0 server) with --write-reference, then replay its prompts against the
+    k = 3 server with --reference: random token-id prompts, ignore_eos, Poisson arrivals; every greedy
+    output equals the target's own."""
+    ref = tmp_path / "ref.jsonl"
+    rc, r0 = _run(srv0, tmp_path, "--dataset", "random", "--num-prompts", "6", "--random-input-len", "12",
+                  "--random-output-len", "8", "--request-rate", "50", "--tokenizer", str(pair[0]),
+                  "--write-reference", str(ref))
+    assert rc == 0 and r0["completed"] == 6
+    rows = read_reference(ref)
+    assert len(rows) == 6
+    assert all(len(x.prompt_token_ids) == 12 and len(x.output_token_ids) == 8 for x in rows)
+    assert all(x.ignore_eos and x.max_tokens == 8 and x.top2_gaps is None for x in rows)
+    capsys.readouterr()
+    rc, r = _run(srv, tmp_path, "--reference", str(ref), "--request-rate", "50")
     assert rc == 0
     _check_consistent(r, 6)
     assert r["completed"] == 6 and r["failed"] == 0
     assert r["output_lens"] == [8] * 6 and r["input_lens"] == [12] * 6
     assert r["usage_reported"] is True and r["prompts_as_token_ids"] is True
     eq = r["equivalence"]
-    assert eq["checked"] == eq["matched"] == 6 and eq["real"] == 0 and eq["mismatches"] == []
+    assert eq["checked"] == eq["matched"] == 6 and eq["real"] == eq["unclassified"] == 0 and eq["mismatches"] == []
     table = capsys.readouterr().out
     assert "Serving Benchmark Result" in table and "Identical to the reference:" in table
+
+
+@pytest.fixture(scope="module")
+def bench_reference(pair, tmp_path_factory):
+    """A reference written by `exspec bench --write-reference` (target-ar at B = 1, with top-2 gaps)."""
+    from exspec.cli.main import main as exspec_main
+
+    out = tmp_path_factory.mktemp("bench-ref")
+    rc = exspec_main(["bench", "--model", str(pair[0]), "--methods", "target-ar", "--batch-sizes", "1",
+                      "--num-prompts", "3", "--max-tokens", "8", "--max-prompt-len", "64", "--repeats", "1",
+                      "--no-warmup", "--no-progress", "--output", str(out), "--write-reference", str(out / "ref.jsonl")])
+    assert rc == 0
+    return read_reference(out / "ref.jsonl")
+
+
+def test_a_bench_written_reference_matches_the_speculative_server(srv, bench_reference, tmp_path):
+    rows = bench_reference
+    assert len(rows) == 3
+    for x in rows:
+        assert 1 <= len(x.output_token_ids) <= 8 and x.max_tokens == 8 and not x.ignore_eos
+        assert len(x.top2_gaps) == len(x.output_token_ids) and all(g >= 0 for g in x.top2_gaps)
+        assert x.near_tie_eps == 1e-3 and "target-ar" in x.source
+    rc, r = _run(srv, tmp_path, "--reference", _save(rows, tmp_path))
+    assert rc == 0
+    eq = r["equivalence"]
+    assert eq["checked"] == eq["matched"] == 3, eq["mismatches"]
+
+
+def _save(rows, tmp_path, name: str = "ref.jsonl") -> str:
+    path = tmp_path / name
+    write_reference(path, rows)
+    return str(path)
+
+
+def test_a_divergence_is_classified_by_the_reference_gap(srv, bench_reference, tmp_path):
+    """Plant a wrong token in one reference row: the server's output then diverges there. With the row's
+    eps above its gap the divergence is a near-tie (exit 0); with eps 0 it is real (exit 1)."""
+    rows = list(bench_reference)
+    x = rows[1]
+    wrong = x.output_token_ids[:1] + [(x.output_token_ids[1] + 1) % 300] + x.output_token_ids[2:]
+    for eps, kind, status in ((x.top2_gaps[1] + 1.0, "near-tie", 0), (0.0, "real", 1)):
+        rows[1] = dataclasses.replace(x, output_token_ids=wrong, near_tie_eps=eps)
+        rc, r = _run(srv, tmp_path, "--reference", _save(rows, tmp_path, f"ref-{kind}.jsonl"))
+        assert rc == status
+        eq = r["equivalence"]
+        assert eq["matched"] == 2
+        assert eq["mismatches"] == [{"position": 1, "gap": x.top2_gaps[1], "kind": kind, "request": 1}]
+
+
+def test_reference_file_errors_are_reported(srv, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt_token_ids": [1, 2], "output_token_ids": "x", "max_tokens": 4}\n')
+    assert main(["--base-url", srv.v1, "--api-key", API_KEY, "--no-progress", "--reference", str(bad)]) == 2
+    assert "'output_token_ids' must be a list of integers" in capsys.readouterr().err
+    assert main(["--base-url", srv.v1, "--no-progress", "--write-reference", str(tmp_path / "r.jsonl")]) == 2
+    assert "--tokenizer" in capsys.readouterr().err
+    assert main(["--reference", str(tmp_path / "missing.jsonl"), "--no-progress"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_compare_with_reference_without_gaps_is_unclassified():
+    rows = [ReferenceRow([5], [1, 2, 3], 3), ReferenceRow([6], [4, 5], 3, top2_gaps=[0.5, 0.01], near_tie_eps=0.1)]
+    assert compare_with_reference([[1, 2, 3], [4, 6]], rows) == [
+        {"index": 1, "position": 1, "gap": 0.01, "kind": "near-tie"}]
+    assert compare_with_reference([[1, 9, 3], [4, 5, 7]], rows) == [
+        {"index": 0, "position": 1, "gap": None, "kind": "unclassified"},
+        {"index": 1, "position": 2, "gap": None, "kind": "real"}]
+
+
+def test_the_load_test_imports_no_engine_torch_or_benchmark():
+    """loadtest speaks HTTP only: importing its entry point loads no torch, transformers, engine, scheduler
+    or offline benchmark (a tokenizer is imported lazily, only for --tokenizer)."""
+    code = ("import sys, exspec.loadtest.__main__; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers') "
+            "or m.startswith(('exspec.engine', 'exspec.scheduler', 'exspec.bench', 'exspec.server'))]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for path in (Path(__file__).parents[2] / "loadtest").glob("*.py"):
+        text = path.read_text()
+        for banned in ("exspec.engine", "exspec.scheduler", "exspec.bench", "import torch", "exspec.server"):
+            assert banned not in text, (path.name, banned)
 
 
 def test_chat_text_prompts_under_a_concurrency_cap(srv, tmp_path):
@@ -104,8 +209,8 @@ def test_only_loopback_servers_and_valid_options(capsys):
         check_loopback("http://example.com/v1")
     assert main(["--base-url", "http://192.0.2.1:8000/v1", "--model", "m", "--no-progress"]) == 2
     assert "this machine" in capsys.readouterr().err
-    assert main(["--check-equivalence", "--no-progress"]) == 2
-    assert "--reference-model" in capsys.readouterr().err
+    assert main(["--reference", "x.jsonl", "--temperature", "0.5", "--no-progress"]) == 2
+    assert "--temperature 0" in capsys.readouterr().err
 
 
 def test_arrivals_and_percentiles():

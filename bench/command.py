@@ -1,0 +1,161 @@
+"""What `exspec bench` does once its flags are parsed: pick the model pair (given, the demo pair or a
+synthetic one), run the throughput or the forward benchmark, write the results."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from exspec.bench.runner import NEAR_TIE_EPS, TIMING, Bench, BenchConfig, BenchError, resolve_device_dtype
+
+DEFAULT_REPEATS = {"throughput": 3, "forward": 7}
+
+
+def run_command(args: argparse.Namespace, resolve_models: Callable[[argparse.Namespace], tuple[Path, Path | None]]) -> int:
+    """`exspec bench`. resolve_models(args) -> (target, draft) gives the pair when neither --synthetic nor
+    anything else names one (the CLI passes the demo-pair resolver)."""
+    if args.output.exists() and not args.output.is_dir():
+        raise BenchError(f"--output {str(args.output)!r} exists and is not a directory")
+    if args.synthetic is not None and args.model is not None:
+        raise BenchError("pass one of --model and --synthetic, not both")
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    if dtype not in NEAR_TIE_EPS:
+        raise BenchError(f"--dtype must be auto or one of {sorted(NEAR_TIE_EPS)}, got {dtype!r}")
+    repeats = args.repeats if args.repeats is not None else DEFAULT_REPEATS[args.mode]
+    if args.mode == "forward":
+        return _forward(args, device, dtype, repeats, resolve_models)
+    return _throughput(args, device, dtype, repeats, resolve_models)
+
+
+def _pair(args, device: str, resolve_models) -> tuple[Path, Path | None, dict]:
+    if args.synthetic is None:
+        target, draft = resolve_models(args)
+        return target, draft, {}
+    from exspec.bench.synthetic import SyntheticError, ensure_synthetic_pair
+
+    try:
+        target, draft, info = ensure_synthetic_pair(args.synthetic, args.synthetic_cache, device=device,
+                                                    log=lambda m: print(m, file=sys.stderr))
+    except SyntheticError as e:
+        raise BenchError(str(e)) from e
+    return target, draft, {
+        "synthetic": f"{args.synthetic} (random Llama shape, later layers scaled by {info['shape']['scale']}; "
+                     f"draft = its first {info['shape']['draft_layers']} layer(s) + norm + head)",
+        "synthetic draft agreement": f"{info['agreement']:.3f} ({info['agreement_measured_on']})",
+        "parameters": f"target {info['parameters']['target'] / 1e6:.0f}M, draft {info['parameters']['draft'] / 1e6:.0f}M",
+    }
+
+
+def _meta(args, title: str, device: str, dtype: str) -> dict:
+    import torch
+
+    try:
+        loadavg = Path("/proc/loadavg").read_text().split()[:3]
+    except OSError:
+        loadavg = ["?"]
+    return {
+        "title": title,
+        "command": "exspec " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "exspec bench",
+        "device": device,
+        "dtype": dtype,
+        "torch threads": torch.get_num_threads(),
+        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, python {platform.python_version()}, "
+                   f"torch {torch.__version__}"
+                   + (f", {torch.cuda.get_device_name(device)}" if device.startswith("cuda") else ""),
+        "load average at start": " ".join(loadavg),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def _throughput(args, device: str, dtype: str, repeats: int, resolve_models) -> int:
+    from exspec.bench.report import write_results
+    from exspec.loadtest.reference import write_reference
+
+    # Validate every option before a pair may be built (minutes): placeholders stand for its paths.
+    config = BenchConfig(
+        model=args.model or Path("<target>"),
+        draft_model=args.draft_model if args.model is not None else Path("<draft>"),
+        device=device,
+        dtype=dtype,
+        methods=args.methods,
+        batch_sizes=args.batch_sizes,
+        num_prompts=args.num_prompts,
+        max_prompt_len=args.max_prompt_len,
+        max_tokens=args.max_tokens,
+        num_speculative_tokens=args.num_speculative_tokens,
+        pool_factor=args.pool_factor,
+        repeats=repeats,
+        chat_template=args.chat_template,
+        max_model_len=args.max_model_len,
+        warmup=not args.no_warmup,
+    )
+    if args.write_reference is not None and not args.write_reference.resolve().parent.is_dir():
+        raise BenchError(f"--write-reference: directory {str(args.write_reference.resolve().parent)!r} does not exist")
+    target, draft, extra = _pair(args, device, resolve_models)
+    config = replace(config, model=target, draft_model=draft)
+    bench = Bench(config, progress=not args.no_progress)
+    rows = [r.to_dict() for r in bench.run()]
+    from exspec.scheduler import SchedulerConfig
+
+    meta = _meta(args, "exspec bench", device, dtype)
+    meta.update({
+        "target": str(target),
+        "draft": str(draft),
+        **extra,
+        "prompts": f"{config.num_prompts} SpecBench turns[0]" + (" (chat template)" if config.chat_template else "")
+                   + (f", at most {config.max_prompt_len} tokens" if config.max_prompt_len else ""),
+        "max_tokens": config.max_tokens,
+        "k": config.num_speculative_tokens,
+        "exspec policy": f"SchedulerConfig() default speculation={SchedulerConfig().speculation!r}, k up to "
+                         f"{config.num_speculative_tokens}; exspec-fixed and exspec-mixed: fixed k",
+        "repeats": config.repeats,
+        "tokens/s": TIMING,
+        "near-tie": f"reference top-2 logit gap < {NEAR_TIE_EPS[config.dtype]} at the first differing position",
+    })
+    paths = write_results(rows, args.output, meta)
+    print(paths["md"].read_text(), end="")
+    print(f"exspec bench: wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
+    if args.write_reference is not None:
+        write_reference(args.write_reference, bench.reference_rows())
+        print(f"exspec bench: wrote the target-alone reference {args.write_reference}", file=sys.stderr)
+    return 0
+
+
+def _forward(args, device: str, dtype: str, repeats: int, resolve_models) -> int:
+    import json
+
+    from exspec.bench.forward import forward_markdown, forward_points, time_forwards
+    from exspec.bench.report import write_text_atomic
+    from exspec.engine import EngineConfig, load_model_pair
+
+    if not args.kv_lens or any(v < 1 for v in args.kv_lens):
+        raise BenchError(f"--kv-lens must be a comma-separated list of integers >= 1, got {args.kv_lens!r}")
+    if not 0 <= args.num_speculative_tokens <= 32:
+        raise BenchError(f"--num-speculative-tokens must be in [0, 32], got {args.num_speculative_tokens}")
+    if repeats < 1:
+        raise BenchError(f"--repeats must be >= 1, got {repeats}")
+    target, _, extra = _pair(args, device, resolve_models)
+    pair = load_model_pair(EngineConfig(model=target, device=device, dtype=dtype))
+    points = forward_points(tuple(sorted(set(args.batch_sizes))), tuple(args.kv_lens), args.num_speculative_tokens)
+    rows = time_forwards(pair.target, pair.vocab_size, points, repeats=repeats, warmup=0 if args.no_warmup else 1)
+    meta = _meta(args, "exspec bench --mode forward", device, dtype)
+    meta.update({
+        "target": str(target),
+        **extra,
+        "forward": "ModelRunner.extend(tokens [B, q_len], starts=[kv_len] * B, slots) of the target, logits for "
+                   "every query; q_len 1 and k + 1; slots consecutive (0..B-1) or scattered (every other slot of "
+                   f"2B); layouts interleaved, median of {repeats} after {0 if args.no_warmup else 1} warm-up",
+        "k": args.num_speculative_tokens,
+    })
+    args.output.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(args.output / "results.json", json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    md = forward_markdown(rows, meta)
+    write_text_atomic(args.output / "results.md", md)
+    print(md, end="")
+    print(f"exspec bench: wrote {args.output / 'results.json'}, {args.output / 'results.md'}", file=sys.stderr)
+    return 0

@@ -1,0 +1,93 @@
+"""`exspec bench --mode forward`: the time of one target forward through the engine's forward primitive.
+
+For every (batch size B, kv_len, q_len in {1, k + 1}) it times `ModelRunner.extend(tokens [B, q_len],
+starts=[kv_len] * B, slots)` with two slot layouts of one pool of 2B slots:
+- consecutive: slots 0..B-1 (the cache can be read as a view of the pool),
+- scattered: slots 1, 3, 5, ..., 2B-1 (every other slot: the cache must be gathered, as after admissions
+  and departures). At B = 1 both are a single slot, so the two should match.
+
+The keys at positions 0..kv_len-1 are whatever the pool holds (zeros): attention reads kv_len keys either
+way, and the values do not change the time. Timing: layouts interleaved within each repeat (A B A B), the
+device synchronised around each forward, the median of `repeats` forwards after `warmup` untimed ones.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from exspec.engine.runner import ModelRunner
+
+LAYOUTS = ("consecutive", "scattered")
+
+
+@dataclass(frozen=True)
+class ForwardPoint:
+    batch_size: int
+    kv_len: int  # keys already in each row's slot before the forward
+    q_len: int  # query tokens per row: 1 (plain decode, draft step) or k + 1 (verify)
+
+
+def slot_layout(layout: str, batch_size: int) -> list[int]:
+    """Slots of one batch in a pool of 2 * batch_size slots."""
+    if layout == "consecutive":
+        return list(range(batch_size))
+    return [2 * i + 1 for i in range(batch_size)]
+
+
+def forward_points(batch_sizes: tuple[int, ...], kv_lens: tuple[int, ...], k: int) -> list[ForwardPoint]:
+    return [ForwardPoint(b, kv, q) for b in batch_sizes for kv in kv_lens for q in sorted({1, k + 1})]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_forwards(model: torch.nn.Module, vocab_size: int, points: list[ForwardPoint], repeats: int = 5,
+                  warmup: int = 1, seed: int = 0) -> list[dict]:
+    """One row per (point, layout): {batch_size, kv_len, q_len, slots, forward_ms, forward_ms_repeats}.
+    One pool per batch size, sized for the longest kv_len + q_len, reused across that batch size's points."""
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for b in sorted({p.batch_size for p in points}):
+        at_b = [p for p in points if p.batch_size == b]
+        max_len = max(p.kv_len + p.q_len for p in at_b)
+        runner = ModelRunner(model, num_slots=2 * b, max_len=max_len, vocab_size=vocab_size)
+        for p in at_b:
+            tokens = torch.randint(0, vocab_size, (b, p.q_len), generator=gen).to(device)  # [B, Q] long
+            starts = [p.kv_len] * b
+            seconds: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
+            for i in range(warmup + repeats):
+                for layout in LAYOUTS:
+                    slots = slot_layout(layout, b)
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    runner.extend(tokens, starts, slots)
+                    _sync(device)
+                    if i >= warmup:
+                        seconds[layout].append(time.perf_counter() - t0)
+            for layout in LAYOUTS:
+                ms = [s * 1000.0 for s in seconds[layout]]
+                rows.append({"batch_size": b, "kv_len": p.kv_len, "q_len": p.q_len, "slots": layout,
+                             "forward_ms": statistics.median(ms), "forward_ms_repeats": ms})
+        del runner  # free this batch size's pool before the next one's
+    return rows
+
+
+def forward_markdown(rows: list[dict], meta: dict) -> str:
+    """One line per (B, kv_len, q_len): both layouts' median and the ratio scattered / consecutive."""
+    lines = [f"# {meta.get('title', 'exspec bench --mode forward')}", ""]
+    lines += [f"- {k}: {v}" for k, v in meta.items() if k != "title"]
+    lines += ["", "| B | kv_len | q_len | consecutive ms | scattered ms | scattered / consecutive |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    by = {(r["batch_size"], r["kv_len"], r["q_len"], r["slots"]): r["forward_ms"] for r in rows}
+    for key in dict.fromkeys((r["batch_size"], r["kv_len"], r["q_len"]) for r in rows):
+        c, s = by.get((*key, "consecutive")), by.get((*key, "scattered"))
+        ratio = f"{s / c:.2f}x" if c and s is not None else "–"
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {c:.2f} | {s:.2f} | {ratio} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,182 @@
+"""`exspec bench --synthetic NAME`: a random Llama-shaped target and a draft that agrees with it, built in
+seconds with no training and no download, for timing at real model shapes.
+
+The target is a randomly initialised Llama whose decoder layers after the first `draft_layers` are scaled
+down (their o_proj and down_proj weights times `scale`), so each adds only a small correction to the
+residual stream. The draft is the target's own first `draft_layers` layers + final norm + lm_head, so it
+predicts the target's next token most of the time: the agreement rate is measured on SpecBench prompts
+and reported. Both are saved as model directories (config.json + safetensors + a byte-level BPE tokenizer
+trained in a second on the bundled questions; the model's vocabulary may be larger than the tokenizer's,
+which the loader accepts: ids past the tokenizer decode to nothing) and cached by name, shape and seed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from exspec.data import encode_prompts, load_questions, read_rows
+
+DEFAULT_CACHE = Path.home() / ".cache" / "exspec" / "synthetic"
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+VERSION = 1  # bump when the construction changes: cached pairs of another version are rebuilt
+
+
+@dataclass(frozen=True)
+class SyntheticShape:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int  # the model's embedding rows (the tokenizer may have fewer)
+    draft_layers: int = 1  # the draft keeps the target's first draft_layers layers
+    scale: float = 0.05  # o_proj and down_proj of the later layers are multiplied by this
+    build_dtype: str = "float32"  # dtype the weights are created and saved in
+    rope_theta: float = 500000.0
+    max_position_embeddings: int = 8192
+
+
+SHAPES = {
+    # For tests: builds in well under a second.
+    "tiny": SyntheticShape(64, 128, 4, 4, 2, 512, scale=0.05),
+    # ~350M parameters, for a CPU.
+    "350m": SyntheticShape(1024, 2816, 24, 16, 8, 32000, scale=0.03),
+    # Llama 3.2 1B and Llama 3.1 8B shapes, for a GPU (created in bfloat16).
+    "1b": SyntheticShape(2048, 8192, 16, 32, 8, 128256, scale=0.04, build_dtype="bfloat16"),
+    "8b": SyntheticShape(4096, 14336, 32, 32, 8, 128256, scale=0.03, build_dtype="bfloat16"),
+}
+
+
+class SyntheticError(ValueError):
+    """An unknown synthetic shape name."""
+
+
+def _dirname(name: str, shape: SyntheticShape, seed: int) -> str:
+    return f"{name}-v{VERSION}-seed{seed}"
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int):
+    """A byte-level BPE trained on the bundled questions (about a second), saved to out_dir."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = [t for name in ("specbench", "mtbench") for row in read_rows(name) for t in row.get("turns", [])]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS + ["<|user|>", "<|assistant|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def _llama_config(shape: SyntheticShape, layers: int, tokenizer):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        rope_theta=shape.rope_theta,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+@torch.no_grad()
+def build_models(shape: SyntheticShape, tokenizer, seed: int, device: str = "cpu"):
+    """(target, draft) modules: the random target with its later layers scaled down, and its first layers."""
+    from transformers import LlamaForCausalLM
+
+    dtype = getattr(torch, shape.build_dtype)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        target = LlamaForCausalLM(_llama_config(shape, shape.num_layers, tokenizer)).to(dtype)
+        for layer in target.model.layers[shape.draft_layers:]:
+            layer.self_attn.o_proj.weight.mul_(shape.scale)
+            layer.mlp.down_proj.weight.mul_(shape.scale)
+        draft = LlamaForCausalLM(_llama_config(shape, shape.draft_layers, tokenizer)).to(dtype)
+    state = {k: v for k, v in target.state_dict().items()
+             if not k.startswith("model.layers.") or int(k.split(".")[2]) < shape.draft_layers}
+    draft.load_state_dict(state)
+    return target.eval(), draft.eval()
+
+
+@torch.no_grad()
+def measure_agreement(target, draft, prompts: list[list[int]]) -> float:
+    """Share of positions where the draft's greedy next token equals the target's, teacher-forced on the
+    prompts (one forward of each model per prompt)."""
+    device = next(target.parameters()).device
+    same = total = 0
+    for p in prompts:
+        ids = torch.tensor([p], device=device)  # [1, P]
+        t = target(input_ids=ids).logits[0].argmax(-1)  # [P]
+        d = draft(input_ids=ids).logits[0].argmax(-1)  # [P]
+        same += int((t == d).sum())
+        total += len(p)
+    return same / total if total else math.nan
+
+
+def ensure_synthetic_pair(name: str, cache_dir: Path = DEFAULT_CACHE, seed: int = 0, device: str = "cpu",
+                          log=print) -> tuple[Path, Path, dict]:
+    """(target_dir, draft_dir, info) of the named synthetic pair, built into cache_dir on first use.
+    info: {"name", "shape", "seed", "agreement", "parameters"} (also in DIR/synthetic.json)."""
+    if name not in SHAPES:
+        raise SyntheticError(f"--synthetic must be one of {', '.join(SHAPES)}, got {name!r}")
+    shape = SHAPES[name]
+    root = Path(cache_dir).expanduser() / _dirname(name, shape, seed)
+    marker = root / "synthetic.json"
+    if marker.exists():
+        info = json.loads(marker.read_text())
+        if info.get("shape") == asdict(shape):
+            return root / "target", root / "draft", info
+    if root.exists():
+        shutil.rmtree(root)
+    log(f"[synthetic] building {name} into {root}")
+    tmp = root.with_name(root.name + ".building")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "target").mkdir(parents=True)
+    tokenizer = build_tokenizer(tmp / "target", shape.vocab_size)
+    target, draft = build_models(shape, tokenizer, seed, device)
+    prompts = [p[:256] for p in encode_prompts(tokenizer, load_questions("specbench", 8), chat_template=False)]
+    agreement = measure_agreement(target, draft, prompts)
+    target.save_pretrained(tmp / "target")
+    draft.save_pretrained(tmp / "draft")
+    tokenizer.save_pretrained(tmp / "draft")
+    info = {
+        "name": name,
+        "version": VERSION,
+        "shape": asdict(shape),
+        "seed": seed,
+        "agreement": agreement,
+        "agreement_measured_on": f"{len(prompts)} SpecBench prompts, teacher-forced next-token argmax, {device}",
+        "parameters": {"target": sum(p.numel() for p in target.parameters()),
+                       "draft": sum(p.numel() for p in draft.parameters())},
+        "tokenizer_size": len(tokenizer),
+    }
+    (tmp / "synthetic.json").write_text(json.dumps(info, indent=2) + "\n")
+    tmp.rename(root)
+    log(f"[synthetic] {name}: draft agreement {agreement:.2f}, target {info['parameters']['target'] / 1e6:.0f}M "
+        f"parameters, draft {info['parameters']['draft'] / 1e6:.0f}M")
+    return root / "target", root / "draft", info
