@@ -47,17 +47,13 @@ def _pair(args, device: str, resolve_models) -> tuple[Path, Path | None, dict]:
         "synthetic": f"{args.synthetic} (random Llama shape, later layers scaled by {info['shape']['scale']}; "
                      f"draft = its first {info['shape']['draft_layers']} layer(s) + norm + head)",
         "synthetic draft agreement": f"{info['agreement']:.3f} ({info['agreement_measured_on']})",
-        "parameters": f"target {info['parameters']['target'] / 1e6:.0f}M, draft {info['parameters']['draft'] / 1e6:.0f}M",
+        "parameters": f"target {info['parameters']['target'] / 1e6:.1f}M, draft {info['parameters']['draft'] / 1e6:.1f}M",
     }
 
 
 def _meta(args, title: str, device: str, dtype: str) -> dict:
     import torch
 
-    try:
-        loadavg = Path("/proc/loadavg").read_text().split()[:3]
-    except OSError:
-        loadavg = ["?"]
     return {
         "title": title,
         "command": "exspec " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "exspec bench",
@@ -67,9 +63,17 @@ def _meta(args, title: str, device: str, dtype: str) -> dict:
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, python {platform.python_version()}, "
                    f"torch {torch.__version__}"
                    + (f", {torch.cuda.get_device_name(device)}" if device.startswith("cuda") else ""),
-        "load average at start": " ".join(loadavg),
+        "load average at start": _loadavg(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
+
+
+def _loadavg() -> str:
+    """The 1, 5 and 15 minute load averages (`cat /proc/loadavg`), or "?" where there is none."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
 
 
 def _throughput(args, device: str, dtype: str, repeats: int, resolve_models) -> int:
@@ -99,10 +103,11 @@ def _throughput(args, device: str, dtype: str, repeats: int, resolve_models) -> 
     target, draft, extra = _pair(args, device, resolve_models)
     config = replace(config, model=target, draft_model=draft)
     bench = Bench(config, progress=not args.no_progress)
+    meta = _meta(args, "exspec bench", device, dtype)  # load average as the timed runs start
     rows = [r.to_dict() for r in bench.run()]
     from exspec.scheduler import SchedulerConfig
 
-    meta = _meta(args, "exspec bench", device, dtype)
+    meta["load average at end"] = _loadavg()
     meta.update({
         "target": str(target),
         "draft": str(draft),
@@ -142,8 +147,10 @@ def _forward(args, device: str, dtype: str, repeats: int, resolve_models) -> int
     target, _, extra = _pair(args, device, resolve_models)
     pair = load_model_pair(EngineConfig(model=target, device=device, dtype=dtype))
     points = forward_points(tuple(sorted(set(args.batch_sizes))), tuple(args.kv_lens), args.num_speculative_tokens)
-    rows = time_forwards(pair.target, pair.vocab_size, points, repeats=repeats, warmup=0 if args.no_warmup else 1)
-    meta = _meta(args, "exspec bench --mode forward", device, dtype)
+    meta = _meta(args, "exspec bench --mode forward", device, dtype)  # load average as the forwards start
+    rows = time_forwards(pair.target, pair.vocab_size, points, repeats=repeats, warmup=0 if args.no_warmup else 1,
+                         progress=not args.no_progress)
+    meta["load average at end"] = _loadavg()
     meta.update({
         "target": str(target),
         **extra,

@@ -48,12 +48,17 @@ def _sync(device: torch.device) -> None:
 
 
 def time_forwards(model: torch.nn.Module, vocab_size: int, points: list[ForwardPoint], repeats: int = 5,
-                  warmup: int = 1, seed: int = 0) -> list[dict]:
+                  warmup: int = 1, seed: int = 0, progress: bool = False) -> list[dict]:
     """One row per (point, layout): {batch_size, kv_len, q_len, slots, forward_ms, forward_ms_repeats}.
     One pool per batch size, sized for the longest kv_len + q_len, reused across that batch size's points."""
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     rows = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(points) * (warmup + repeats), unit="repeat", desc="forward", dynamic_ncols=True)
     for b in sorted({p.batch_size for p in points}):
         at_b = [p for p in points if p.batch_size == b]
         max_len = max(p.kv_len + p.q_len for p in at_b)
@@ -71,11 +76,15 @@ def time_forwards(model: torch.nn.Module, vocab_size: int, points: list[ForwardP
                     _sync(device)
                     if i >= warmup:
                         seconds[layout].append(time.perf_counter() - t0)
+                if bar is not None:
+                    bar.update(1)
             for layout in LAYOUTS:
                 ms = [s * 1000.0 for s in seconds[layout]]
                 rows.append({"batch_size": b, "kv_len": p.kv_len, "q_len": p.q_len, "slots": layout,
                              "forward_ms": statistics.median(ms), "forward_ms_repeats": ms})
         del runner  # free this batch size's pool before the next one's
+    if bar is not None:
+        bar.close()
     return rows
 
 

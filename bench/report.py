@@ -12,6 +12,7 @@ from pathlib import Path
 RATIOS = (  # (numerator, denominator) of the ratio table, per batch size
     ("exspec", "target-ar"),
     ("exspec", "hf-generate"),
+    ("exspec-fixed", "target-ar"),
     ("exspec", "exspec-fixed"),  # the default policy against a fixed k
     ("exspec-fixed", "exspec-mixed"),  # what grouping alone gains at a fixed k
     ("exspec", "hf-assisted"),  # B = 1 only: hf-assisted runs at batch 1

@@ -171,7 +171,7 @@ def test_forward_mode_times_every_point_in_both_layouts(tmp_path):
     out = tmp_path / "fwd"
     rc = main(["bench", "--mode", "forward", "--synthetic", "tiny", "--synthetic-cache", str(tmp_path / "cache"),
                "--batch-sizes", "1,3", "--kv-lens", "8,20", "--num-speculative-tokens", "2", "--repeats", "2",
-               "--device", "cpu", "--output", str(out)])
+               "--device", "cpu", "--no-progress", "--output", str(out)])
     assert rc == 0
     rows = json.loads((out / "results.json").read_text())["rows"]
     expected = {(b, kv, q, s) for b in (1, 3) for kv in (8, 20) for q in (1, 3) for s in ("consecutive", "scattered")}
