@@ -100,6 +100,8 @@ def format_table(m: dict, title: str = "Serving Benchmark Result") -> str:
     if eq:
         lines.append(f"{'Output equivalence (greedy)':-^{width}}")
         row("Checked requests:", eq["checked"])
+        if eq.get("not_checked"):
+            row("Not checked (failed):", eq["not_checked"])
         row("Identical to the reference:", eq["matched"])
         row("Mismatches (near-tie / real / unclassified):",
             f"{eq['near_ties']} / {eq['real']} / {eq.get('unclassified', 0)}")

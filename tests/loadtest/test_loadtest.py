@@ -146,7 +146,7 @@ def test_a_divergence_is_classified_by_the_reference_gap(srv, bench_reference, t
         assert eq["mismatches"] == [{"position": 1, "gap": x.top2_gaps[1], "kind": kind, "request": 1}]
 
 
-def test_reference_file_errors_are_reported(srv, tmp_path, capsys):
+def test_reference_file_errors_are_reported(srv, pair, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt_token_ids": [1, 2], "output_token_ids": "x", "max_tokens": 4}\n')
     assert main(["--base-url", srv.v1, "--api-key", API_KEY, "--no-progress", "--reference", str(bad)]) == 2
@@ -155,6 +155,16 @@ def test_reference_file_errors_are_reported(srv, tmp_path, capsys):
     assert "--tokenizer" in capsys.readouterr().err
     assert main(["--reference", str(tmp_path / "missing.jsonl"), "--no-progress"]) == 2
     assert "does not exist" in capsys.readouterr().err
+    # a wrong API key: every request fails, nothing is compared, and no reference is recorded from them
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt_token_ids": [5, 6, 7], "output_token_ids": [8], "max_tokens": 2}\n')
+    rc, r = _run(srv, tmp_path, "--reference", str(good), "--api-key", "wrong", "--model", srv.model_name)
+    assert rc == 0 and r["failed"] == 1
+    assert r["equivalence"]["checked"] == 0 and r["equivalence"]["not_checked"] == 1
+    assert main(["--base-url", srv.v1, "--api-key", "wrong", "--model", srv.model_name, "--no-progress",
+                 "--tokenizer", str(pair[0]), "--dataset", "random", "--num-prompts", "2", "--random-input-len", "4",
+                 "--random-output-len", "2", "--write-reference", str(tmp_path / "r.jsonl")]) == 2
+    assert "2 requests failed" in capsys.readouterr().err and not (tmp_path / "r.jsonl").exists()
 
 
 def test_compare_with_reference_without_gaps_is_unclassified():
