@@ -109,16 +109,16 @@ def _llama_config(shape: SyntheticShape, layers: int, tokenizer):
 @torch.no_grad()
 def build_models(shape: SyntheticShape, tokenizer, seed: int, device: str = "cpu"):
     """(target, draft) modules: the random target with its later layers scaled down, and its first layers."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, shape.build_dtype)
     torch.manual_seed(seed)
-    with torch.device(device):
-        target = LlamaForCausalLM(_llama_config(shape, shape.num_layers, tokenizer)).to(dtype)
+    with torch.device(device):  # created in place, in the build dtype: an 8b target never exists in fp32
+        target = AutoModelForCausalLM.from_config(_llama_config(shape, shape.num_layers, tokenizer), dtype=dtype)
         for layer in target.model.layers[shape.draft_layers:]:
             layer.self_attn.o_proj.weight.mul_(shape.scale)
             layer.mlp.down_proj.weight.mul_(shape.scale)
-        draft = LlamaForCausalLM(_llama_config(shape, shape.draft_layers, tokenizer)).to(dtype)
+        draft = AutoModelForCausalLM.from_config(_llama_config(shape, shape.draft_layers, tokenizer), dtype=dtype)
     state = {k: v for k, v in target.state_dict().items()
              if not k.startswith("model.layers.") or int(k.split(".")[2]) < shape.draft_layers}
     draft.load_state_dict(state)
