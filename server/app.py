@@ -121,7 +121,7 @@ def _api_key_check(api_key: str | None):
 def build_app(scheduler, settings: ServeSettings) -> FastAPI:
     """An OpenAI-compatible app over `scheduler` (an AsyncScheduler, not yet started: the app's lifespan
     starts it and drains it)."""
-    model_name = settings.served_model_name or scheduler.engine.pair.name
+    model_name = settings.served_model_name or scheduler.model_name
     metrics = ServerMetrics()
     metrics.bind_scheduler(scheduler)
     lifecycle = Lifecycle(scheduler, settings.shutdown_timeout)
@@ -155,7 +155,7 @@ def build_app(scheduler, settings: ServeSettings) -> FastAPI:
 
     @v1.get("/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, max_model_len=scheduler.engine.max_model_len)])
+        return ModelList(data=[ModelCard(id=model_name, max_model_len=scheduler.max_model_len)])
 
     app.include_router(v1)
 

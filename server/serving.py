@@ -186,8 +186,8 @@ class OpenAIServing:
         self.scheduler = scheduler
         self.metrics = metrics
         self.model_name = model_name
-        self.tokenizer = scheduler.engine.tokenizer
-        self.max_model_len = scheduler.engine.max_model_len
+        self.tokenizer = scheduler.tokenizer
+        self.max_model_len = scheduler.max_model_len
         self.background: set[asyncio.Task] = set()  # reapers of aborted requests
 
     def cancel_background(self) -> None:

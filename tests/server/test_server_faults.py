@@ -4,7 +4,6 @@ step loop that died. A fake scheduler with AsyncScheduler's interface, behind a 
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import httpx
 import openai
@@ -37,8 +36,7 @@ class FakeScheduler:
     """Deterministic deltas, no engine: "ab" then "cd" and length; or "ab" then a failed step."""
 
     def __init__(self, tokenizer) -> None:
-        self.engine = SimpleNamespace(tokenizer=tokenizer, max_model_len=64, eos_token_ids=(2,),
-                                      pair=SimpleNamespace(name="fake"))
+        self.model_name, self.max_model_len, self.tokenizer, self.vocab_size = "fake", 64, tokenizer, 320
         self.is_alive = True
         self.is_accepting = True
         self.num_running = self.num_waiting = 0
@@ -68,7 +66,7 @@ class FakeScheduler:
         else:
             last = RequestOutput(request_id, (42, 43), "cd", True, "length", n, 4)
         for fn in self.listeners:
-            fn(StepStats("grouped", 1, 2, 2, (1, 0), 2, 0, 0.001, 0.002, 0.003))
+            fn(StepStats("grouped", 1, 2, 2, 1, (1, 0), 2, 0, 0.001, 0.002, 0.003))
         return FakeStream(request_id, [first, last])
 
 
