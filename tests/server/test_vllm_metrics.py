@@ -280,8 +280,9 @@ def test_request_timer_counts_per_step_for_vllm_and_per_token_for_exspec():
     assert s[("vllm:request_generation_tokens_sum", v)] == 6 and s[("vllm:request_prompt_tokens_sum", v)] == 5
     success = tuple(sorted(v + (("finished_reason", "length"),)))
     assert s[("vllm:request_success_total", success)] == 1
-    decode, e2e = s[("vllm:request_decode_time_seconds_sum", v)], s[("vllm:e2e_request_latency_seconds_sum", v)]
-    prefill, inference = s[("vllm:request_prefill_time_seconds_sum", v)], s[("vllm:request_inference_time_seconds_sum", v)]
+    prefill, decode, inference, e2e = (s[(f"vllm:{name}_sum", v)] for name in (
+        "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
+        "e2e_request_latency_seconds"))
     assert inference == pytest.approx(prefill + decode) and e2e == pytest.approx(0.5 + inference)
 
 
