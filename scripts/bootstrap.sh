@@ -36,10 +36,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     fi
   fi
   if [ "$mode" = test ]; then
-    .venv/bin/python -m pip install -q -e ".[test,bench]"
+    PYTHONWARNINGS="ignore:Editable installation:UserWarning" .venv/bin/python -m pip install -q -e ".[test,bench]"
     touch .venv/.exspec-installed-serve
   else
-    .venv/bin/python -m pip install -q -e .
+    PYTHONWARNINGS="ignore:Editable installation:UserWarning" .venv/bin/python -m pip install -q -e .
   fi
   touch "$stamp"
 fi
