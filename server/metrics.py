@@ -210,7 +210,7 @@ class ServerMetrics:
         self.vllm_itl = vllm_only(Histogram, "vllm:inter_token_latency_seconds",
                                   "Histogram of inter-token latency in seconds.", _VLLM_ITL_BUCKETS)
         self.vllm_tpot = vllm_only(Histogram, "vllm:time_per_output_token_seconds",
-                                   "Histogram of time per output token in seconds."
+                                   "Histogram of time per output token in seconds. "
                                    "DEPRECATED: Use vllm:inter_token_latency_seconds instead.", _VLLM_ITL_BUCKETS)
         self.vllm_request_tpot = vllm_only(Histogram, "vllm:request_time_per_output_token_seconds",
                                            "Histogram of time_per_output_token_seconds per request.",
