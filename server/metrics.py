@@ -148,41 +148,42 @@ class ServerMetrics:
 
         # --- shared by both families (scheduler state, token counts, speculation, request latencies)
         self.num_running = twin(Gauge, "exspec_num_requests_running", "vllm:num_requests_running",
-                                "Requests in the running pool", "Number of requests in model execution batches.")
+                                "Requests in the running pool", "Requests in the running pool (vLLM's name)")
         self.num_waiting = twin(Gauge, "exspec_num_requests_waiting", "vllm:num_requests_waiting",
-                                "Requests queued before admission", "Number of requests waiting to be processed.")
+                                "Requests queued before admission", "Requests queued before admission (vLLM's name)")
         self.kv_used = twin(Gauge, "exspec_kv_slots_used_ratio", "vllm:kv_cache_usage_perc",
-                            "Fraction of KV slots in use (0..1)", "KV-cache usage. 1 means 100 percent usage.")
+                            "Fraction of KV slots in use (0..1)", "Fraction of KV slots in use, 0..1 (vLLM's name)")
         self.prompt_tokens = twin(Counter, "exspec_prompt_tokens", "vllm:prompt_tokens", "Prompt tokens prefilled",
-                                  "Number of prefill tokens processed.")
+                                  "Prompt tokens prefilled (vLLM's name)")
         self.generation_tokens = twin(Counter, "exspec_generation_tokens", "vllm:generation_tokens",
-                                      "Tokens generated", "Number of generation tokens processed.")
+                                      "Tokens generated", "Tokens generated (vLLM's name)")
         self.request_success = twin(Counter, "exspec_request_success", "vllm:request_success",
-                                    "Finished requests, by finish reason", "Count of successfully processed requests.",
+                                    "Finished requests, by finish reason",
+                                    "Finished requests by finish reason (vLLM's name)",
                                     ("finished_reason",))
         for reason in FINISH_REASONS:
             self.request_success.labels(finished_reason=reason)
         self.drafts = twin(Counter, "exspec_spec_decode_num_drafts", "vllm:spec_decode_num_drafts",
                            "Drafts verified: one per sequence per speculative step that proposed draft tokens",
-                           "Number of spec decoding drafts.")
+                           "Sequences verified with draft tokens, per step (vLLM's name)")
         self.draft_tokens = twin(Counter, "exspec_spec_decode_num_draft_tokens", "vllm:spec_decode_num_draft_tokens",
                                  "Draft tokens proposed (rows that opted out of speculation propose none)",
-                                 "Number of draft tokens.")
+                                 "Draft tokens proposed (vLLM's name)")
         self.accepted_tokens = twin(Counter, "exspec_spec_decode_num_accepted_tokens",
                                     "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted by the target",
-                                    "Number of accepted tokens.")
+                                    "Draft tokens accepted (vLLM's name)")
         self.accepted_per_pos = twin(Counter, "exspec_spec_decode_num_accepted_tokens_per_pos",
                                      "vllm:spec_decode_num_accepted_tokens_per_pos",
                                      "Accepted draft tokens, by draft position (0-based)",
-                                     "Accepted tokens per draft position.", ("position",))
+                                     "Accepted draft tokens by 0-based position (vLLM's name)", ("position",))
         self.ttft = twin(Histogram, "exspec_time_to_first_token_seconds", "vllm:time_to_first_token_seconds",
-                         "Arrival to first token", "Histogram of time to first token in seconds.",
+                         "Arrival to first token", "Arrival to first token, seconds (vLLM's name)",
                          own_buckets=_LATENCY_BUCKETS, vllm_buckets=_VLLM_TTFT_BUCKETS)
         self.e2e = twin(Histogram, "exspec_e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds",
-                        "Arrival to last token", "Histogram of e2e request latency in seconds.",
+                        "Arrival to last token", "Arrival to last token, seconds (vLLM's name)",
                         own_buckets=_LATENCY_BUCKETS, vllm_buckets=_VLLM_REQUEST_BUCKETS)
         self.queue_time = twin(Histogram, "exspec_request_queue_time_seconds", "vllm:request_queue_time_seconds",
-                               "Submit to first scheduled", "Histogram of time spent in WAITING phase for request.",
+                               "Submit to first scheduled", "Submit to first scheduled, seconds (vLLM's name)",
                                own_buckets=_LATENCY_BUCKETS, vllm_buckets=_VLLM_REQUEST_BUCKETS)
 
         # --- exspec only
@@ -208,28 +209,30 @@ class ServerMetrics:
 
         # --- vLLM only: vLLM's own definitions, derived from the same events
         self.vllm_itl = vllm_only(Histogram, "vllm:inter_token_latency_seconds",
-                                  "Histogram of inter-token latency in seconds.", _VLLM_ITL_BUCKETS)
+                                  "Seconds between two steps that brought a request tokens (vLLM's name)",
+                                  _VLLM_ITL_BUCKETS)
         self.vllm_tpot = vllm_only(Histogram, "vllm:time_per_output_token_seconds",
-                                   "Histogram of time per output token in seconds. "
-                                   "DEPRECATED: Use vllm:inter_token_latency_seconds instead.", _VLLM_ITL_BUCKETS)
+                                   "Same as vllm:inter_token_latency_seconds (vLLM's older, deprecated name)",
+                                   _VLLM_ITL_BUCKETS)
         self.vllm_request_tpot = vllm_only(Histogram, "vllm:request_time_per_output_token_seconds",
-                                           "Histogram of time_per_output_token_seconds per request.",
+                                           "Per request: decode seconds / (generated tokens - 1) (vLLM's name)",
                                            _VLLM_ITL_BUCKETS)
         self.vllm_iteration_tokens = vllm_only(Histogram, "vllm:iteration_tokens_total",
-                                               "Histogram of number of tokens per engine_step.",
+                                               "Prompt and generated tokens per scheduler step (vLLM's name)",
                                                _VLLM_ITERATION_BUCKETS)
         self.vllm_prompt_len = vllm_only(Histogram, "vllm:request_prompt_tokens",
-                                         "Number of prefill tokens processed.", _VLLM_TOKEN_COUNT_BUCKETS)
+                                         "Prompt tokens per finished request (vLLM's name)", _VLLM_TOKEN_COUNT_BUCKETS)
         self.vllm_generation_len = vllm_only(Histogram, "vllm:request_generation_tokens",
-                                             "Number of generation tokens processed.", _VLLM_TOKEN_COUNT_BUCKETS)
+                                             "Generated tokens per finished request (vLLM's name)",
+                                             _VLLM_TOKEN_COUNT_BUCKETS)
         self.vllm_inference_time = vllm_only(Histogram, "vllm:request_inference_time_seconds",
-                                             "Histogram of time spent in RUNNING phase for request.",
+                                             "First scheduled to last token, seconds (vLLM's name)",
                                              _VLLM_REQUEST_BUCKETS)
         self.vllm_prefill_time = vllm_only(Histogram, "vllm:request_prefill_time_seconds",
-                                           "Histogram of time spent in PREFILL phase for request.",
+                                           "First scheduled to first token, seconds (vLLM's name)",
                                            _VLLM_REQUEST_BUCKETS)
         self.vllm_decode_time = vllm_only(Histogram, "vllm:request_decode_time_seconds",
-                                          "Histogram of time spent in DECODE phase for request.",
+                                          "First to last token, seconds (vLLM's name)",
                                           _VLLM_REQUEST_BUCKETS)
 
     def bind_scheduler(self, scheduler) -> None:
