@@ -122,7 +122,7 @@ def build_app(scheduler, settings: ServeSettings) -> FastAPI:
     """An OpenAI-compatible app over `scheduler` (an AsyncScheduler, not yet started: the app's lifespan
     starts it and drains it)."""
     model_name = settings.served_model_name or scheduler.model_name
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(model_name)
     metrics.bind_scheduler(scheduler)
     lifecycle = Lifecycle(scheduler, settings.shutdown_timeout)
     serving = OpenAIServing(scheduler, metrics, model_name)
