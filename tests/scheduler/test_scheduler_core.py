@@ -89,6 +89,7 @@ def test_abort_frees_slot_at_step_boundary():
     assert eng.num_used == 0 and not core.has_work()
 
 
+@pytest.mark.engine_faults
 def test_engine_failure_fails_only_that_batch():
     eng = FakeEngine()
     core = SchedulerCore(eng, SchedulerConfig(max_batch_size=1, pool_size=2, max_wait_steps=2))
