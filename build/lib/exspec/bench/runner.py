@@ -1,0 +1,416 @@
+"""`exspec bench`: offline throughput of exspec against plain decoding and Hugging Face, on one model pair.
+
+Every method decodes the same prompts greedily to the same `max_tokens`, and is timed the same way:
+
+    tokens/s = generated tokens / wall time of the whole offline run
+
+"wall time of the whole offline run" starts when the first prompt is handed over and ends when the last
+token is on the host: prefill, scheduling, padding and every decode step are inside it; model loading,
+engine construction (KV pool allocation) and the warm-up run are not. The median over `repeats` timed
+runs is reported (methods interleaved within each repeat, so noise from other jobs spreads evenly).
+
+Methods (`METHODS`):
+- `target-ar`: the target alone through our engine and scheduler, k = 0, pool W = B.
+- `hf-generate`: `model.generate()` of the target on static left-padded batches of B prompts.
+- `hf-assisted`: Hugging Face assisted generation (`assistant_model=draft`), k fixed, batch 1 only.
+- `exspec-mixed`: exspec with every step through the mixed-length path (`force_mixed=True`).
+- `exspec`: exspec with EXSPEC grouping, pool W = pool_factor * B.
+
+Output equivalence is measured against `target-ar` at B = 1, per prompt: identical generated token ids, or
+a divergence, classified as a near-tie when the reference's top-2 logit gap at the first differing position
+(the target run on prompt + reference prefix, in the benchmark's dtype) is below `NEAR_TIE_EPS[dtype]`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from exspec.engine import EngineConfig, ExspecError, ModelPair, SamplingParams, SpecEngine, load_model_pair
+from exspec.data import DatasetError, all_questions, encode_prompts, evenly_spaced, load_questions
+from exspec.bench.equivalence import NEAR_TIE_EPS, classify_divergences, top2_gap
+from exspec.scheduler import SchedulerConfig, generate_offline
+
+METHODS = ("target-ar", "hf-generate", "hf-assisted", "exspec-mixed", "exspec")
+REFERENCE = ("target-ar", 1)  # (method, batch size) every method's outputs are compared with
+TIMING = (
+    "generated tokens / wall time of the whole offline run (first prompt handed over to last token on the "
+    "host: prefill, scheduling, padding and decode included; model loading and warm-up excluded), median of "
+    "the repeats"
+)
+
+
+class BenchError(ExspecError):
+    """A benchmark option is out of range or the model pair cannot run a method."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: Path  # target model directory
+    draft_model: Path | None  # draft directory; needed by hf-assisted, exspec-mixed and exspec
+    device: str = "cpu"
+    dtype: str = "float32"
+    methods: tuple[str, ...] = METHODS
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    num_prompts: int = 32  # SpecBench questions, evenly spaced over those that fit max_prompt_len
+    max_prompt_len: int | None = None  # questions longer than this many tokens are left out; None: no limit
+    max_tokens: int = 128  # new tokens per prompt (fewer when EOS comes first)
+    num_speculative_tokens: int = 5  # k of hf-assisted, exspec-mixed and exspec
+    pool_factor: int = 4  # exspec's pool W = pool_factor * B (capped at max(B, num_prompts))
+    repeats: int = 3  # timed runs per (method, B); the median is reported
+    chat_template: bool = False  # prompts through the tokenizer's chat template
+    max_model_len: int = 2048  # cap on prompt + max_tokens
+    warmup: bool = True  # one untimed short run per (method, B) before the timed ones
+
+    def __post_init__(self) -> None:
+        def bad(name: str, rule: str, value: object) -> None:
+            raise BenchError(f"{name} must be {rule}, got {value!r}")
+
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown or not self.methods:
+            bad("--methods", f"a non-empty comma-separated subset of {','.join(METHODS)}", ",".join(self.methods))
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            bad("--batch-sizes", "a comma-separated list of integers >= 1", self.batch_sizes)
+        if self.num_prompts < 1:
+            bad("--num-prompts", ">= 1", self.num_prompts)
+        if self.max_prompt_len is not None and self.max_prompt_len < 1:
+            bad("--max-prompt-len", ">= 1", self.max_prompt_len)
+        if self.max_tokens < 1:
+            bad("--max-tokens", ">= 1", self.max_tokens)
+        if not 1 <= self.num_speculative_tokens <= 32:
+            bad("--num-speculative-tokens", "in [1, 32]", self.num_speculative_tokens)
+        if self.pool_factor < 1:
+            bad("--pool-factor", ">= 1", self.pool_factor)
+        if self.repeats < 1:
+            bad("--repeats", ">= 1", self.repeats)
+        if self.dtype not in NEAR_TIE_EPS:
+            bad("--dtype", f"one of {sorted(NEAR_TIE_EPS)}", self.dtype)
+        needs_draft = [m for m in self.methods if m in ("hf-assisted", "exspec-mixed", "exspec")]
+        if needs_draft and self.draft_model is None:
+            raise BenchError(f"methods {', '.join(needs_draft)} need a draft model: pass --draft-model")
+
+    def points(self) -> list[tuple[str, int]]:
+        """(method, batch size) pairs to time, in report order; hf-assisted runs at B = 1 only."""
+        return [
+            (m, b)
+            for b in sorted(set(self.batch_sizes))
+            for m in METHODS
+            if m in self.methods and (m != "hf-assisted" or b == 1)
+        ] + ([("hf-assisted", 1)] if "hf-assisted" in self.methods and 1 not in self.batch_sizes else [])
+
+
+@dataclass
+class RunResult:
+    """One run of a method at one batch size over every prompt."""
+
+    outputs: list[list[int]]  # generated token ids per prompt (EOS kept, as the engine keeps it)
+    seconds: float  # wall time, as defined in TIMING
+    mean_acceptance_length: float | None  # tokens emitted per sequence per decode step (1.0 without drafts)
+    grouped_fraction: float | None  # grouped / (grouped + mixed) decode steps; None outside our engine
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+
+@dataclass
+class BenchRow:
+    method: str
+    batch_size: int
+    tokens_per_s: float  # generated_tokens / decode_seconds
+    mean_acceptance_length: float | None
+    grouped_fraction: float | None
+    equivalence_rate: float  # prompts whose token ids equal target-ar's at B = 1, over num_prompts
+    near_ties: int  # divergences at a near-tie (reference top-2 logit gap < eps)
+    real_divergences: int  # the other divergences
+    num_prompts: int
+    generated_tokens: int
+    decode_seconds: float  # median wall time of the timed runs (TIMING)
+    seconds_per_repeat: list[float] = field(default_factory=list)
+    pool_size: int | None = None  # W for our engine's methods
+    num_speculative_tokens: int = 0  # k used (0: no drafts)
+    divergences: list[dict] = field(default_factory=list)  # {prompt, position, gap, kind} per divergence
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Bench:
+    """Loads the pair once, builds each method's runner lazily, times them, compares outputs."""
+
+    def __init__(self, config: BenchConfig, progress: bool = True) -> None:
+        self.config = config
+        self.progress = progress
+        engine_cfg = EngineConfig(
+            model=Path(config.model),
+            draft_model=Path(config.draft_model) if config.draft_model is not None else None,
+            device=config.device,
+            dtype=config.dtype,
+        )
+        self.pair: ModelPair = load_model_pair(engine_cfg)
+        self.device = torch.device(config.device)
+        tok = self.pair.tokenizer
+        self.prompts = self._select_prompts(tok)
+        longest = max(len(p) for p in self.prompts)
+        self.max_model_len = longest + config.max_tokens + 1
+        if self.max_model_len > config.max_model_len:
+            raise BenchError(
+                f"the longest prompt ({longest} tokens) + --max-tokens ({config.max_tokens}) exceeds "
+                f"--max-model-len ({config.max_model_len}): lower --max-tokens or raise --max-model-len"
+            )
+        self.pad_id = self._pad_id()
+        self._gap_cache: dict[tuple[int, int], float] = {}
+
+    def _select_prompts(self, tok) -> list[list[int]]:
+        """`num_prompts` SpecBench questions (`turns[0]`) evenly spaced over those within max_prompt_len."""
+        cfg = self.config
+        try:
+            if cfg.max_prompt_len is None:
+                return encode_prompts(tok, load_questions("specbench", cfg.num_prompts), cfg.chat_template)
+            prompts = encode_prompts(tok, all_questions("specbench"), cfg.chat_template)
+        except DatasetError as e:
+            raise BenchError(str(e)) from e
+        prompts = [p for p in prompts if len(p) <= cfg.max_prompt_len]
+        if len(prompts) < cfg.num_prompts:
+            raise BenchError(
+                f"only {len(prompts)} SpecBench questions fit --max-prompt-len {cfg.max_prompt_len}; "
+                f"--num-prompts is {cfg.num_prompts}"
+            )
+        return evenly_spaced(prompts, cfg.num_prompts)
+
+    # ------------------------------------------------------------------ orchestration
+
+    def run(self) -> list[BenchRow]:
+        cfg = self.config
+        points = cfg.points()
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            total = len(points) * (cfg.repeats + int(cfg.warmup)) + 1
+            bar = tqdm(total=total, unit="run", desc="bench", dynamic_ncols=True)
+        runs: dict[tuple[str, int], list[RunResult]] = {}
+        runners: dict[tuple[str, int], Callable[..., RunResult]] = {}
+        for b in sorted({b for _, b in points}):
+            at_b = [m for m, bb in points if bb == b]
+            for m in at_b:
+                runners[(m, b)] = self._runner(m, b)
+                if cfg.warmup:
+                    self._set(bar, f"warm-up {m} B={b}")
+                    runners[(m, b)](self.prompts[: min(b, len(self.prompts))], warmup=True)
+                    _tick(bar)
+            for _ in range(cfg.repeats):
+                for m in at_b:
+                    self._set(bar, f"{m} B={b}")
+                    runs.setdefault((m, b), []).append(runners[(m, b)](self.prompts))
+                    _tick(bar)
+            runners.clear()  # free this batch size's KV pools before the next one's
+        self._set(bar, "reference and near-tie check")
+        if REFERENCE in runs:
+            reference = runs[REFERENCE][0].outputs
+        else:
+            reference = self._runner(*REFERENCE)(self.prompts).outputs
+        rows = [self._row(m, b, runs[(m, b)], reference) for m, b in points]
+        _tick(bar)
+        if bar is not None:
+            bar.close()
+        return rows
+
+    @staticmethod
+    def _set(bar, text: str) -> None:
+        if bar is not None:
+            bar.set_postfix_str(text, refresh=True)
+
+    def _row(self, method: str, b: int, runs: list[RunResult], reference: list[list[int]]) -> BenchRow:
+        seconds = [r.seconds for r in runs]
+        median_s = statistics.median(seconds)
+        first = runs[0]
+        divergences = self._divergences(first.outputs, reference)
+        near = sum(1 for d in divergences if d["kind"] == "near-tie")
+        n = len(self.prompts)
+        return BenchRow(
+            method=method,
+            batch_size=b,
+            tokens_per_s=first.generated_tokens / median_s if median_s > 0 else 0.0,
+            mean_acceptance_length=first.mean_acceptance_length,
+            grouped_fraction=first.grouped_fraction,
+            equivalence_rate=(n - len(divergences)) / n,
+            near_ties=near,
+            real_divergences=len(divergences) - near,
+            num_prompts=n,
+            generated_tokens=first.generated_tokens,
+            decode_seconds=median_s,
+            seconds_per_repeat=seconds,
+            pool_size=self._pool_size(method, b) if method in ("target-ar", "exspec-mixed", "exspec") else None,
+            num_speculative_tokens=0 if method in ("target-ar", "hf-generate") else self.config.num_speculative_tokens,
+            divergences=divergences,
+        )
+
+    # ------------------------------------------------------------------ methods
+
+    def _runner(self, method: str, b: int):
+        """A callable running every given prompt with `method` at batch size b; built once per point."""
+        if method in ("target-ar", "exspec-mixed", "exspec"):
+            return self._engine_runner(method, b)
+        if method == "hf-generate":
+            return lambda prompts, warmup=False: self._hf_generate(prompts, b, warmup)
+        return lambda prompts, warmup=False: self._hf_assisted(prompts, warmup)
+
+    def _pool_size(self, method: str, b: int) -> int:
+        if method == "target-ar":
+            return b
+        return max(b, min(self.config.pool_factor * b, len(self.prompts)))
+
+    def _engine_runner(self, method: str, b: int):
+        cfg = self.config
+        k = 0 if method == "target-ar" else cfg.num_speculative_tokens
+        pool = self._pool_size(method, b)
+        pair = replace(self.pair, draft=None) if k == 0 else self.pair
+        engine = SpecEngine(
+            EngineConfig(
+                model=Path(cfg.model),
+                draft_model=None if k == 0 else Path(cfg.draft_model),
+                device=cfg.device,
+                dtype=cfg.dtype,
+                max_num_seqs=pool,
+                max_model_len=self.max_model_len,
+                max_num_speculative_tokens=k,
+                force_mixed=method == "exspec-mixed",
+            ),
+            pair=pair,
+        )
+        sched = SchedulerConfig(
+            max_batch_size=b,
+            pool_size=pool,
+            max_waiting=10**9,
+            num_speculative_tokens=k,
+        )
+
+        def run(prompts: list[list[int]], warmup: bool = False) -> RunResult:
+            max_tokens = min(8, cfg.max_tokens) if warmup else cfg.max_tokens
+            params = [SamplingParams(max_tokens=max_tokens)] * len(prompts)
+            results, summary = generate_offline(engine, prompts, params, sched)
+            failed = [r for r in results if r.error]
+            if failed:
+                raise BenchError(f"{method} B={b}: prompt {failed[0].index} failed: {failed[0].error}")
+            return RunResult(
+                outputs=[r.token_ids for r in results],
+                seconds=summary.wall_seconds,
+                mean_acceptance_length=summary.mean_acceptance_length,
+                grouped_fraction=summary.grouped_fraction,
+            )
+
+        return run
+
+    def _pad_id(self) -> int:
+        tok = self.pair.tokenizer
+        for cand in (tok.pad_token_id, tok.eos_token_id, *self.pair.eos_token_ids):
+            if isinstance(cand, int):
+                return cand
+        return 0
+
+    def _generation_config(self, max_tokens: int):
+        from transformers import GenerationConfig
+
+        return GenerationConfig(
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=list(self.pair.eos_token_ids) or None,
+            pad_token_id=self.pad_id,
+        )
+
+    def _cut(self, row: list[int]) -> list[int]:
+        """Generated ids up to and including the first EOS (the engine keeps EOS in its output)."""
+        eos = set(self.pair.eos_token_ids)
+        for i, t in enumerate(row):
+            if t in eos:
+                return row[: i + 1]
+        return row
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def _hf_generate(self, prompts: list[list[int]], b: int, warmup: bool) -> RunResult:
+        """Static batches of b prompts, left-padded with the tokenizer's pad id (padding_side="left")."""
+        gen_cfg = self._generation_config(min(8, self.config.max_tokens) if warmup else self.config.max_tokens)
+        model = self.pair.target
+        outputs: list[list[int]] = []
+        self._sync()
+        start = time.perf_counter()
+        for i in range(0, len(prompts), b):
+            batch = prompts[i : i + b]
+            width = max(len(p) for p in batch)
+            ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in batch], device=self.device)  # [b, P]
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=self.device)  # [b, P]
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)  # [b, P + n]
+            outputs.extend(self._cut(row) for row in out[:, width:].tolist())
+        seconds = time.perf_counter() - start
+        return RunResult(outputs, seconds, 1.0, None)
+
+    @torch.inference_mode()
+    def _hf_assisted(self, prompts: list[list[int]], warmup: bool) -> RunResult:
+        """Assisted generation at batch 1 with exactly k draft tokens per step (constant schedule, no
+        confidence-based early stop). Acceptance length: generated tokens / target forward calls."""
+        k = self.config.num_speculative_tokens
+        gen_cfg = self._generation_config(min(8, self.config.max_tokens) if warmup else self.config.max_tokens)
+        target, draft = self.pair.target, self.pair.draft
+        saved = draft.generation_config
+        draft.generation_config = _copy(saved)
+        draft.generation_config.num_assistant_tokens = k
+        draft.generation_config.num_assistant_tokens_schedule = "constant"
+        draft.generation_config.assistant_confidence_threshold = 0.0  # 0: never stop drafting early
+        calls = [0]
+        hook = target.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        outputs: list[list[int]] = []
+        try:
+            self._sync()
+            start = time.perf_counter()
+            for p in prompts:
+                ids = torch.tensor([p], device=self.device)  # [1, P]
+                out = target.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    generation_config=gen_cfg,
+                    assistant_model=draft,
+                )  # [1, P + n]
+                outputs.append(self._cut(out[0, len(p) :].tolist()))
+            seconds = time.perf_counter() - start
+        finally:
+            hook.remove()
+            draft.generation_config = saved
+        tokens = sum(len(o) for o in outputs)
+        return RunResult(outputs, seconds, tokens / calls[0] if calls[0] else None, None)
+
+    # ------------------------------------------------------------------ equivalence
+
+    def _divergences(self, outputs: list[list[int]], reference: list[list[int]]) -> list[dict]:
+        return classify_divergences(outputs, reference, self._top2_gap, NEAR_TIE_EPS[self.config.dtype])
+
+    def _top2_gap(self, i: int, prefix: list[int]) -> float:
+        """The reference's top-2 logit gap after prompt i + prefix, cached (methods often diverge alike)."""
+        key = (i, len(prefix))
+        if key not in self._gap_cache:
+            self._gap_cache[key] = top2_gap(self.pair.target, self.prompts[i] + prefix, self.pair.vocab_size)
+        return self._gap_cache[key]
+
+
+def _copy(gen_config):
+    import copy
+
+    return copy.deepcopy(gen_config)
+
+
+def _tick(bar) -> None:
+    if bar is not None:
+        bar.update(1)
+
+
+def run_bench(config: BenchConfig, progress: bool = True) -> list[BenchRow]:
+    return Bench(config, progress=progress).run()

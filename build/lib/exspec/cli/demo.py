@@ -1,0 +1,36 @@
+"""`exspec demo-models`: build the built-in demo target/draft pair offline (or report the cached one)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--out", type=Path, default=None, help="directory for target/ and draft/ (default: $EXSPEC_CACHE or ~/.cache/exspec/demo)"
+    )
+    parser.add_argument("--force", action="store_true", help="rebuild even if a complete pair is cached")
+    parser.add_argument("--seed", type=int, default=0, help="training seed (default: 0)")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+    # Tests build a tiny pair in seconds with --scale test.
+    parser.add_argument("--scale", default="full", choices=("full", "test"), help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    from exspec.demo.build import DemoBuildError, build_demo_pair, cached_pair, default_demo_dir
+
+    if args.seed < 0:
+        raise DemoBuildError(f"--seed must be >= 0, got {args.seed}")
+    out = args.out if args.out is not None else default_demo_dir()
+    reused = not args.force and cached_pair(out, seed=args.seed, scale=args.scale) is not None
+    t0 = time.perf_counter()
+    target, draft = build_demo_pair(out, seed=args.seed, force=args.force, progress=not args.quiet, scale=args.scale)
+    if not args.quiet:
+        what = "cached demo pair" if reused else f"built the demo pair in {time.perf_counter() - t0:.0f} s"
+        print(f"exspec demo-models: {what}", file=sys.stderr)
+    print(f"target: {target}")
+    print(f"draft:  {draft}")
+    return 0

@@ -1,0 +1,409 @@
+"""The speculative decoding engine: admit sequences by id, prefill them, run speculative steps, free them."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from exspec.engine.config import EngineConfig
+from exspec.engine.kv_cache import SlotAllocator
+from exspec.engine.loader import ModelPair, load_model_pair
+from exspec.engine.params import SamplingParams
+from exspec.engine.runner import ModelRunner, to_device
+from exspec.engine.sampling import (
+    STREAM_DRAFT,
+    STREAM_TARGET,
+    RowParams,
+    accept,
+    accept_greedy,
+    process_probs,
+    sample_from_probs,
+)
+from exspec.engine.sequence import SeqState
+from exspec.engine.types import PrefillBatch, SeqOutput, StepBatch, StepOutput
+from exspec.errors import InvalidRequestError
+
+
+class _Clock:
+    """Wall time of a phase; on CUDA, events read after the step's one host sync."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1000.0 if self.cuda else end - start
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One speculative step, resolved once from a `StepBatch`: every phase reads it, none changes it."""
+
+    seq_ids: tuple[int, ...]  # [B] the batch's sequences, in order
+    states: tuple[SeqState, ...]  # [B] their engine state (host)
+    lengths: tuple[int, ...]  # [B] each row's length, pending token included (host)
+    slots: tuple[int, ...]  # [B] each row's KV slot (host)
+    row_k: tuple[int, ...]  # [B] each row's draft budget: 0 for opted-out rows, less near max_model_len
+    k: int  # draft tokens proposed per row: max(row_k); the batch stays rectangular
+    grouped: bool  # every length equal (and not forced mixed): shared positions, one causal mask
+    generated: tuple[int, ...]  # [B] tokens each row has generated so far (min_tokens)
+    slot_t: torch.Tensor  # [B] long
+    len_t: torch.Tensor  # [B] long
+    out_pos: torch.Tensor  # [B, k + 1] long: the position each emitted token lands at
+    allow: torch.Tensor  # [B, k] bool: draft column j of row b may be accepted (j < row_k[b])
+    rows: RowParams  # per-row sampling parameters
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: torch.Tensor  # [B, k] long: proposed tokens d_1..d_k
+    probs: torch.Tensor | None  # [B, k, V]: the distributions q they were drawn from; None if all greedy
+
+
+class SpecEngine:
+    """Batched speculative decoding over per-sequence KV slots.
+
+    The scheduler names sequences by id: `add(seq_id, prompt, params)`, then `prefill` and `step` batches of
+    ids, then `free(seq_id)`. Each call does exactly one device-to-host transfer (the sampled tokens and
+    acceptance counts). The engine never decides that a sequence is finished: it samples, the scheduler cuts.
+    """
+
+    def __init__(self, config: EngineConfig, pair: ModelPair | None = None, seed: int = 0) -> None:
+        self.config = config
+        self.pair = pair if pair is not None else load_model_pair(config)
+        self.tokenizer = self.pair.tokenizer
+        self.model_name = self.pair.name
+        self.eos_token_ids = self.pair.eos_token_ids
+        self.vocab_size = self.pair.vocab_size
+        slots, self.max_model_len = config.max_num_seqs, config.max_model_len
+        self.max_k = config.max_num_speculative_tokens if self.pair.draft is not None else 0
+        # Slack past max_model_len: a rectangular verify writes k + 1 columns from each row's pending token,
+        # and rows near the end of their context fill the columns past their budget with padding.
+        pool_len = self.max_model_len + self.max_k + 1
+        self.target = ModelRunner(self.pair.target, slots, pool_len, self.vocab_size)
+        self.draft = ModelRunner(self.pair.draft, slots, pool_len, self.vocab_size) if self.pair.draft is not None else None
+        self.device = self.target.device
+        self.allocator = SlotAllocator(slots)
+        dev = self.device
+        self.token_buf = torch.zeros(slots, pool_len, dtype=torch.long, device=dev)  # [slots, pool_len]
+        self.temperature = torch.zeros(slots, device=dev)  # [slots]
+        self.top_p = torch.ones(slots, device=dev)  # [slots]
+        self.top_k = torch.zeros(slots, dtype=torch.long, device=dev)  # [slots]
+        self.seeds = torch.zeros(slots, dtype=torch.long, device=dev)  # [slots]
+        self._seqs: dict[int, SeqState] = {}
+        self._seed_rng = random.Random(seed)
+        self._clock = _Clock(dev)
+        self._warm_up()
+
+    # ------------------------------------------------------------------ admission
+
+    @property
+    def has_draft(self) -> bool:
+        return self.draft is not None
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def num_slots(self) -> int:
+        return self.allocator.num_slots
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise InvalidRequestError if this prompt can never be admitted."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty: give at least one token")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens; the maximum sequence length is {self.max_model_len} "
+                f"(prompt + at least one generated token)"
+            )
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise InvalidRequestError if a parameter cannot reach a tensor of this engine."""
+        if params.top_k > self.vocab_size:
+            raise InvalidRequestError(f"top_k must be in [0, {self.vocab_size}] (0: off), got {params.top_k}")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+
+    def add(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Admit a sequence under `seq_id`: take a slot (CapacityError when none is free). Prefill comes later.
+        Either the sequence is admitted whole or nothing changes."""
+        if seq_id in self._seqs:
+            raise InvalidRequestError(f"sequence id {seq_id} is already in use")
+        self.check_prompt(prompt_token_ids)
+        self.check_params(params)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        slot = self.allocator.allocate()
+        try:
+            n = len(prompt_token_ids)
+            self.token_buf[slot, :n] = to_device(prompt_token_ids, self.device)
+            self.temperature[slot] = params.temperature
+            self.top_p[slot] = params.top_p
+            self.top_k[slot] = params.top_k
+            self.seeds[slot] = seed
+        except BaseException:
+            self.allocator.free(slot)
+            raise
+        self._seqs[seq_id] = SeqState(slot=slot, prompt_len=n, params=params, seed=seed, length=n)
+
+    def free(self, seq_id: int) -> None:
+        """Give the sequence's slot back (a no-op for an unknown id). Its stale K/V is simply overwritten by
+        the next owner."""
+        state = self._seqs.pop(seq_id, None)
+        if state is not None:
+            self.allocator.free(state.slot)
+
+    def _states(self, seq_ids) -> list[SeqState]:
+        try:
+            return [self._seqs[i] for i in seq_ids]
+        except KeyError as e:
+            raise InvalidRequestError(f"unknown sequence id {e.args[0]}") from None
+
+    # ------------------------------------------------------------------ prefill
+
+    @torch.inference_mode()
+    def prefill(self, batch: PrefillBatch) -> StepOutput:
+        """Feed prompt chunks into both caches (one batched forward each); sample the first token of
+        every sequence whose prompt completes."""
+        chunks = batch.chunks
+        states = self._states(c.seq_id for c in chunks)
+        for c, st in zip(chunks, states):
+            if not (c.start == st.num_prefilled and c.start < c.end <= st.prompt_len):
+                raise InvalidRequestError(
+                    f"sequence {c.seq_id}: chunk [{c.start}, {c.end}) does not continue its prefill "
+                    f"({st.num_prefilled} of {st.prompt_len} prompt tokens done)"
+                )
+        starts = [c.start for c in chunks]
+        widths = [c.end - c.start for c in chunks]
+        slots = [st.slot for st in states]
+        q_len = max(widths)
+        dev = self.device
+        slot_t = to_device(slots, dev)
+        cols = to_device(starts, dev)[:, None] + torch.arange(q_len, device=dev)  # [B, Q]
+        tokens = self.token_buf[slot_t[:, None], cols.clamp(max=self.token_buf.shape[1] - 1)]  # [B, Q]
+        last = to_device(widths, dev)[:, None] - 1  # [B, 1]
+        t0 = self._clock.mark()
+        if self.draft is not None:
+            self.draft.extend(tokens, starts, slots, select=last)
+        t1 = self._clock.mark()
+        logits = self.target.extend(tokens, starts, slots, select=last)  # [B, 1, V]
+        rows = self._row_params(states, slot_t)
+        positions = to_device([st.prompt_len for st in states], dev)[:, None]  # [B, 1]
+        logits = self._suppress_stops(logits, states, [0] * len(states))
+        first = self._sample(logits, rows, positions)[:, 0]  # [B]
+        self.token_buf[slot_t, positions[:, 0]] = first
+        t2 = self._clock.mark()
+        first_ids = first.tolist()  # the one host sync
+        outputs = []
+        for chunk, st, tok in zip(chunks, states, first_ids):
+            st.num_prefilled = chunk.end
+            st.draft_len = chunk.end if self.draft is not None else 0
+            done = chunk.end == st.prompt_len
+            if done:
+                st.length += 1
+            outputs.append(SeqOutput(chunk.seq_id, (tok,) if done else (), 0, 0))
+        return StepOutput(
+            outputs=tuple(outputs),
+            kind="prefill",
+            batch_size=len(states),
+            num_draft_tokens=0,
+            accepted_per_position=(),
+            draft_s=self._clock.seconds(t0, t1),
+            verify_s=self._clock.seconds(t1, t2),
+        )
+
+    # ------------------------------------------------------------------ speculative step
+
+    @torch.inference_mode()
+    def step(self, batch: StepBatch) -> StepOutput:
+        """One speculative step over any set of prefilled sequences: plan, draft, verify, accept, commit.
+
+        Preserves, per row, exactly the output the target alone would give (greedy) or its distribution
+        (sampling), whatever else is in the batch.
+        """
+        plan = self._plan(batch)
+        t0 = self._clock.mark()
+        draft = self._propose(plan) if plan.k > 0 else None
+        t1 = self._clock.mark()
+        logits = self._verify(plan, draft)  # [B, k + 1, V]
+        tokens, num_accepted = self._accept(plan, draft, logits)  # [B, k + 1], [B]
+        t2 = self._clock.mark()
+        return self._commit(plan, tokens, num_accepted, self._clock.seconds(t0, t1), self._clock.seconds(t1, t2))
+
+    def _plan(self, batch: StepBatch) -> StepPlan:
+        """Resolve the batch: each row's draft budget, the batch shape, and the per-step device tensors."""
+        states = self._states(batch.seq_ids)
+        for sid, st in zip(batch.seq_ids, states):
+            if st.num_prefilled < st.prompt_len or st.length >= self.max_model_len:
+                raise InvalidRequestError(
+                    f"sequence {sid} cannot step: prefilled {st.num_prefilled}/{st.prompt_len}, "
+                    f"length {st.length} of at most {self.max_model_len}"
+                )
+        k = min(batch.num_draft_tokens, self.max_k)
+        lengths = tuple(st.length for st in states)
+        # A row emits at most row_k + 1 tokens, so it never passes max_model_len.
+        row_k = tuple(
+            min(k, self.max_model_len - 1 - n) if st.params.use_speculation else 0 for st, n in zip(states, lengths)
+        )
+        k = max(row_k)
+        dev = self.device
+        slots = tuple(st.slot for st in states)
+        slot_t = to_device(list(slots), dev)  # [B]
+        len_t = to_device(list(lengths), dev)  # [B]
+        cols = torch.arange(k + 1, device=dev)  # [k + 1]
+        allow = cols[None, :k] < to_device(list(row_k), dev)[:, None]  # [B, k]
+        return StepPlan(
+            seq_ids=tuple(batch.seq_ids),
+            states=tuple(states),
+            lengths=lengths,
+            slots=slots,
+            row_k=row_k,
+            k=k,
+            grouped=not self.config.force_mixed and all(n == lengths[0] for n in lengths),
+            generated=tuple(st.num_generated for st in states),
+            slot_t=slot_t,
+            len_t=len_t,
+            out_pos=len_t[:, None] + cols,  # [B, k + 1]
+            allow=allow,
+            rows=self._row_params(states, slot_t),
+        )
+
+    def _propose(self, plan: StepPlan) -> Draft:
+        """Catch the draft cache up to the pending token, then propose k tokens autoregressively."""
+        dev = self.device
+        mixed = not plan.grouped
+        width = max(n - st.draft_len for n, st in zip(plan.lengths, plan.states))  # 1 normally, 2 after a full accept
+        # Re-feeding an already cached position rewrites the same K/V, so every row can start `width`
+        # back from its pending token; only rows shorter than `width` start at 0.
+        starts = [max(n - width, 0) for n in plan.lengths]
+        cols = to_device(starts, dev)[:, None] + torch.arange(width, device=dev)  # [B, W]
+        tokens = self.token_buf[plan.slot_t[:, None], cols]  # [B, W]
+        last = to_device([n - 1 - s for n, s in zip(plan.lengths, starts)], dev)[:, None]  # [B, 1]
+        logits = self.draft.extend(tokens, starts, list(plan.slots), select=last, force_per_row=mixed)  # [B, 1, V]
+        proposed, probs = [], []
+        for i in range(plan.k):
+            logits = self._suppress_stops(logits, plan.states, [g + i for g in plan.generated])
+            pos = plan.len_t[:, None] + i  # [B, 1]: where draft token i + 1 would land
+            if plan.rows.any_sampling:
+                q = process_probs(logits, plan.rows)  # [B, 1, V]
+                tok = sample_from_probs(q, plan.rows.seeds, pos, STREAM_DRAFT)  # [B, 1]
+                probs.append(q)
+            else:
+                tok = logits.argmax(-1)  # [B, 1]
+            proposed.append(tok)
+            if i < plan.k - 1:
+                starts_i = [n + i for n in plan.lengths]
+                logits = self.draft.extend(tok, starts_i, list(plan.slots), force_per_row=mixed)  # [B, 1, V]
+        return Draft(torch.cat(proposed, dim=1), torch.cat(probs, dim=1) if probs else None)
+
+    def _verify(self, plan: StepPlan, draft: Draft | None) -> torch.Tensor:
+        """One target forward over [pending, d_1 .. d_k] per row: logits [B, k + 1, V]."""
+        last_tok = self.token_buf[plan.slot_t, plan.len_t - 1][:, None]  # [B, 1]
+        verify_in = torch.cat([last_tok, draft.tokens], dim=1) if draft is not None else last_tok  # [B, k + 1]
+        starts = [n - 1 for n in plan.lengths]
+        logits = self.target.extend(verify_in, starts, list(plan.slots), force_per_row=not plan.grouped)
+        return self._suppress_stops(logits, plan.states, list(plan.generated))
+
+    def _accept(self, plan: StepPlan, draft: Draft | None, logits: torch.Tensor):
+        """Accept drafts (Leviathan et al. 2023; see `sampling.accept` for the terms) and write the emitted
+        tokens into token_buf. returns tokens [B, k + 1] (the first a + 1 are the output), num_accepted [B]."""
+        rows = plan.rows
+        if draft is None:
+            tokens = self._sample(logits, rows, plan.out_pos)  # [B, 1]
+            num_accepted = torch.zeros(len(plan.seq_ids), dtype=torch.long, device=self.device)
+        elif not rows.any_sampling:
+            tokens, num_accepted = accept_greedy(draft.tokens, logits, plan.allow)
+        else:
+            target_probs = process_probs(logits, rows)  # [B, k + 1, V]
+            tokens, num_accepted = accept(draft.tokens, draft.probs, target_probs, plan.allow, rows.seeds, plan.out_pos)
+        cols = plan.out_pos.clamp(max=self.token_buf.shape[1] - 1)
+        self.token_buf[plan.slot_t[:, None], cols] = tokens
+        return tokens, num_accepted
+
+    def _commit(self, plan: StepPlan, tokens, num_accepted, draft_s: float, verify_s: float) -> StepOutput:
+        """The one host sync; advance each row's lengths by what it accepted. Rollback of rejected drafts is
+        not advancing: nothing is copied."""
+        packed = torch.cat([tokens, num_accepted[:, None]], dim=1).tolist()  # [B, k + 2]
+        k = plan.k
+        outputs = []
+        per_pos = [0] * k
+        for sid, st, n, row, row_k in zip(plan.seq_ids, plan.states, plan.lengths, packed, plan.row_k):
+            a = row[-1]
+            for i in range(a):
+                per_pos[i] += 1
+            if k > 0:
+                # Draft KV is valid through the accepted drafts it was fed (it is never fed d_k).
+                st.draft_len = n + min(k - 1, a)
+            st.length = n + a + 1
+            outputs.append(SeqOutput(sid, tuple(row[: a + 1]), row_k, a))
+        return StepOutput(
+            outputs=tuple(outputs),
+            kind="grouped" if plan.grouped else "mixed",
+            batch_size=len(outputs),
+            num_draft_tokens=k,
+            accepted_per_position=tuple(per_pos),
+            draft_s=draft_s,
+            verify_s=verify_s,
+        )
+
+    # ------------------------------------------------------------------ helpers
+
+    def _row_params(self, states, slot_t: torch.Tensor) -> RowParams:
+        any_sampling = any(not st.params.greedy for st in states)
+        any_filter = any((not st.params.greedy) and (st.params.top_k > 0 or st.params.top_p < 1.0) for st in states)
+        return RowParams(
+            temperature=self.temperature[slot_t],
+            top_p=self.top_p[slot_t],
+            top_k=self.top_k[slot_t],
+            seeds=self.seeds[slot_t],
+            any_sampling=any_sampling,
+            any_filter=any_filter,
+        )
+
+    def _sample(self, logits: torch.Tensor, rows: RowParams, positions: torch.Tensor) -> torch.Tensor:
+        """A target token per row and position. logits [B, Q, V], positions [B, Q] -> [B, Q] long."""
+        if not rows.any_sampling:
+            return logits.argmax(-1)
+        return sample_from_probs(process_probs(logits, rows), rows.seeds, positions, STREAM_TARGET)
+
+    def _suppress_stops(self, logits: torch.Tensor, states, generated: list[int]) -> torch.Tensor:
+        """min_tokens: EOS and stop ids get zero probability while fewer than min_tokens are generated.
+
+        logits: [B, Q, V]; column j of row b produces generated token number generated[b] + j.
+        """
+        active = [st.params.min_tokens > g for st, g in zip(states, generated)]
+        if not any(active):
+            return logits
+        batch, q_len, vocab = logits.shape
+        banned = torch.zeros(batch, vocab + 1, dtype=torch.bool)  # built on the host: rare path
+        for b, (st, on) in enumerate(zip(states, active)):
+            if on:
+                ids = [t for t in (*self.eos_token_ids, *st.params.stop_token_ids) if t < vocab]
+                banned[b, ids] = True
+        dev = logits.device
+        need = to_device([st.params.min_tokens - g for st, g in zip(states, generated)], dev)  # [B]
+        cols_on = torch.arange(q_len, device=dev)[None, :] < need[:, None]  # [B, Q]
+        mask = cols_on[:, :, None] & banned[:, None, :vocab].to(dev, non_blocking=True)  # [B, Q, V]
+        return logits.masked_fill(mask, float("-inf"))
+
+    def _warm_up(self) -> None:
+        """Allocate both pools and run each model once, so the first request pays no set-up cost."""
+        tok = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        for runner in (self.target, self.draft):
+            if runner is not None:
+                runner.extend(tok, [0], [0])

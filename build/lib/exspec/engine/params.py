@@ -1,0 +1,44 @@
+"""Sampling parameters of one sequence, validated once at the edge of the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from exspec.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16  # generated tokens at most
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # nucleus mass kept, (0, 1]
+    top_k: int = 0  # 0: off
+    seed: int | None = None  # None: drawn by the engine at admission
+    stop_token_ids: tuple[int, ...] = ()  # end the sequence, like EOS (kept in the output)
+    ignore_eos: bool = False  # do not stop at the model's EOS ids
+    min_tokens: int = 0  # EOS and stop ids are suppressed until this many tokens are generated
+    use_speculation: bool = True  # False: this sequence never accepts draft tokens
+    stop: tuple[str, ...] = field(default=())  # stop strings: applied by the scheduler on text
+
+    def __post_init__(self) -> None:
+        def bad(name: str, rule: str, value: object) -> None:
+            raise InvalidRequestError(f"{name} must be {rule}, got {value!r}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", "an integer >= 1", self.max_tokens)
+        if not 0.0 <= self.temperature <= 100.0:
+            bad("temperature", "in [0, 100]", self.temperature)
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "in (0, 1]", self.top_p)
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", "an integer >= 0 (0: off)", self.top_k)
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+            bad("seed", "an integer in [0, 2**63)", self.seed)
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"in [0, max_tokens={self.max_tokens}]", self.min_tokens)
+        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "non-negative integers", self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,49 @@
+"""The typed contract between a scheduler and the engine, keyed by sequence id.
+
+The scheduler names sequences by id and says what to run; the engine keeps every per-sequence detail
+(slot, lengths, cache bounds) private and answers, per id, with the tokens it sampled. The scheduler alone
+decides when a sequence stops (EOS, stop ids, max_tokens, max_model_len) and then frees it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    seq_id: int
+    start: int  # first prompt position of the chunk (== how much of the prompt is already prefilled)
+    end: int  # one past its last position; end == the prompt's length completes the prompt
+
+
+@dataclass(frozen=True)
+class PrefillBatch:
+    chunks: tuple[PrefillChunk, ...]  # distinct sequences, each still prefilling
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    seq_ids: tuple[int, ...]  # distinct, prefilled sequences shorter than max_model_len
+    num_draft_tokens: int  # k for this step; 0 decodes without speculation. Rows near the end of the
+    # context, and rows that opted out of speculation, propose fewer (down to none)
+
+
+@dataclass(frozen=True)
+class SeqOutput:
+    seq_id: int
+    token_ids: tuple[int, ...]  # sampled this call: a + 1 after a step; the first token when a prompt
+    # completes; () for a prompt chunk that does not complete it. Not cut at EOS or limits (the scheduler cuts)
+    num_draft_tokens: int  # draft tokens proposed for this sequence this step
+    num_accepted: int  # of those, accepted by the target
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    outputs: tuple[SeqOutput, ...]  # one per sequence of the batch, same order
+    kind: str  # "grouped" | "mixed" | "prefill"
+    batch_size: int
+    num_draft_tokens: int  # k used
+    accepted_per_position: tuple[int, ...]  # [k]: sequences whose i-th draft token was accepted
+    draft_s: float  # seconds drafting (catch-up + k draft forwards)
+    verify_s: float  # seconds in the target forward and acceptance

@@ -1,0 +1,26 @@
+"""exspec scheduler: asyncio request queue feeding the EXSPEC sliding pool of same-length groups."""
+
+from exspec.scheduler.async_scheduler import AsyncScheduler, RequestStream
+from exspec.scheduler.core import EngineProtocol, SchedulerCore
+from exspec.scheduler.offline import OfflineResult, RunSummary, generate_offline
+from exspec.scheduler.policy import BatchChoice, Candidate, SpeculationPolicy, choose_batch
+from exspec.scheduler.types import QueueFullError, RequestOutput, SchedulerClosedError, SchedulerConfig, StepStats
+
+__all__ = [
+    "AsyncScheduler",
+    "BatchChoice",
+    "Candidate",
+    "EngineProtocol",
+    "OfflineResult",
+    "QueueFullError",
+    "RequestOutput",
+    "RequestStream",
+    "RunSummary",
+    "SchedulerClosedError",
+    "SchedulerConfig",
+    "SchedulerCore",
+    "SpeculationPolicy",
+    "StepStats",
+    "choose_batch",
+    "generate_offline",
+]

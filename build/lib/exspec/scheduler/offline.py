@@ -1,0 +1,99 @@
+"""Offline generation through the same scheduler as the server: a plain loop over `SchedulerCore.step`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from exspec.engine.params import SamplingParams
+from exspec.scheduler.core import EngineProtocol, SchedulerCore
+from exspec.scheduler.request import Request
+from exspec.scheduler.types import SchedulerConfig, StepStats
+
+
+@dataclass
+class OfflineResult:
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    error: str | None = None
+
+
+@dataclass
+class RunSummary:
+    """Totals over a run, for the CLI summary and the benchmarks."""
+
+    num_generated_tokens: int = 0
+    decode_seconds: float = 0.0  # wall time of decode (non-prefill) steps
+    wall_seconds: float = 0.0  # whole run, prefill included
+    steps: dict[str, int] = field(default_factory=lambda: {"grouped": 0, "mixed": 0, "prefill": 0})
+    num_draft_tokens: int = 0  # proposed, over all rows of all steps
+    num_accepted_tokens: int = 0
+    num_row_steps: int = 0  # sum of batch sizes of decode steps
+    num_decode_tokens: int = 0  # tokens emitted by decode steps
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per sequence per decode step (1 + accepted drafts, before truncation)."""
+        return self.num_decode_tokens / self.num_row_steps if self.num_row_steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def grouped_fraction(self) -> float:
+        decode = self.steps["grouped"] + self.steps["mixed"]
+        return self.steps["grouped"] / decode if decode else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_generated_tokens / self.wall_seconds if self.wall_seconds else 0.0
+
+    def add(self, stats: StepStats, seconds: float) -> None:
+        self.steps[stats.kind] += 1
+        if stats.kind != "prefill":
+            self.decode_seconds += seconds
+            self.num_row_steps += stats.batch_size
+            self.num_decode_tokens += stats.num_tokens
+            self.num_draft_tokens += stats.num_proposed_tokens
+            self.num_accepted_tokens += sum(stats.accepted_per_position)
+
+
+def generate_offline(
+    engine: EngineProtocol,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    config: SchedulerConfig,
+    progress: bool = False,
+) -> tuple[list[OfflineResult], RunSummary]:
+    """Run every prompt to completion; results come back in input order."""
+    core = SchedulerCore(engine, config)
+    reqs = [Request(str(i), list(p), sp, order=i) for i, (p, sp) in enumerate(zip(prompts, params))]
+    for r in reqs:
+        core.add(r)
+    summary = RunSummary()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(reqs), unit="req", desc="generate", leave=False)
+    start = time.perf_counter()
+    while core.has_work():
+        t0 = time.perf_counter()
+        deltas, stats = core.step()
+        seconds = time.perf_counter() - t0
+        for st in stats:  # one per engine call (several only while a failing row is isolated)
+            summary.add(st, seconds / len(stats))
+        summary.num_generated_tokens += sum(len(out.token_ids) for _, out in deltas)
+        if bar is not None:
+            bar.update(sum(1 for _, out in deltas if out.finished))
+    summary.wall_seconds = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    results = [
+        OfflineResult(i, list(r.output_token_ids), r.text, r.finish_reason, r.error)
+        for i, r in enumerate(reqs)
+    ]
+    return results, summary

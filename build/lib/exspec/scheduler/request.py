@@ -1,0 +1,111 @@
+"""A request's lifecycle and its text: incremental detokenisation and stop strings."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from exspec.engine.params import SamplingParams
+from exspec.scheduler.stopping import StopRule
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # queued, no KV slot yet
+    PREFILLING = "prefilling"  # has a slot; prompt (partly) not in the caches yet
+    RUNNING = "running"  # decoding
+    FINISHED = "finished"  # stop / length / error
+    ABORTED = "aborted"  # cancelled (client gone, shutdown)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decodes a short window of tokens twice (with and without the newest tokens) and emits the difference,
+    so multi-byte UTF-8 characters split across tokens (and across speculative steps) are only emitted once
+    complete, and tokenizers that drop a leading space when decoding a fragment see a little context.
+    """
+
+    CONTEXT = 5  # prompt tokens used as left context
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_token_ids[-self.CONTEXT :])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def add(self, new_ids: list[int] | tuple[int, ...], final: bool = False) -> str:
+        if self.tokenizer is None:
+            return ""
+        self.ids.extend(new_ids)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        full = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return full[len(prefix) :]
+        return ""
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    order: int  # arrival order
+    arrival_time: float = field(default_factory=time.monotonic)
+    state: RequestState = RequestState.WAITING
+    seq_id: int | None = None  # the engine's handle once admitted (a KV slot is held while it is set)
+    stop_rule: StopRule | None = None  # set at admission
+    num_prefilled: int = 0  # prompt tokens already in the engine's caches
+    first_scheduled_time: float | None = None
+    waited: int = 0  # consecutive decode steps not chosen (aging)
+    finish_reason: str | None = None
+    error: str | None = None
+    detok: IncrementalDetokenizer | None = None
+    text: str = ""  # all output text so far (stop strings cut)
+    sent_chars: int = 0  # how much of `text` has been streamed
+    output_token_ids: list[int] = field(default_factory=list)  # generated tokens kept (cut at stop / length)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.state in (RequestState.FINISHED, RequestState.ABORTED)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def length(self) -> int:
+        """Tokens in the sequence: prompt + generated (the engine's length while the request runs)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def add_tokens(self, token_ids: tuple[int, ...], engine_finished: bool) -> tuple[str, bool]:
+        """Append new tokens; return (text to stream now, stopped by a stop string)."""
+        self.output_token_ids.extend(token_ids)
+        piece = self.detok.add(token_ids, final=engine_finished) if self.detok else ""
+        stops = self.params.stop
+        stopped = False
+        if stops and piece:
+            start = max(0, len(self.text) - max(len(s) for s in stops) + 1)
+            self.text += piece
+            hits = [i for i in (self.text.find(s, start) for s in stops) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]  # the stop string itself is not returned (OpenAI)
+                stopped = True
+        else:
+            self.text += piece
+        done = stopped or engine_finished
+        # Hold back a tail that could still be the start of a stop string.
+        hold = 0 if done or not stops else max(len(s) for s in stops) - 1
+        end = max(self.sent_chars, len(self.text) - hold)
+        out = self.text[self.sent_chars : end]
+        self.sent_chars = end
+        return out, stopped

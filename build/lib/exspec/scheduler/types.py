@@ -1,0 +1,78 @@
+"""The scheduler's public contract: its configuration, the deltas a request streams, and step statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from exspec.errors import ExspecError, QueueFullError, SchedulerClosedError  # noqa: F401 (re-exported)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_size: int = 8  # B: sequences in one speculative step
+    pool_size: int = 32  # W >= B: live (prefilled, running) sequences the pool holds
+    max_waiting: int = 256  # requests queued before admission; beyond it submit() raises QueueFullError
+    num_speculative_tokens: int = 4  # k (fixed policy) or the largest k (adaptive policy)
+    speculation: str = "fixed"  # "fixed" | "adaptive"
+    min_group_size: int = 0  # a same-length group smaller than this runs as a mixed batch; 0: B // 2 (at least 2)
+    max_wait_steps: int = 8  # aging: a running sequence waits at most this many decode steps
+    max_prefill_tokens: int = 512  # prompt tokens prefilled per step at most (chunked beyond it)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, rule: str, value: object) -> None:
+            raise ExspecError(f"{name} must be {rule}, got {value!r}")
+
+        if self.max_batch_size < 1:
+            bad("max_batch_size", ">= 1", self.max_batch_size)
+        if self.pool_size < self.max_batch_size:
+            bad("pool_size", f">= max_batch_size ({self.max_batch_size})", self.pool_size)
+        if self.max_waiting < 1:
+            bad("max_waiting", ">= 1", self.max_waiting)
+        if not 0 <= self.num_speculative_tokens <= 32:
+            bad("num_speculative_tokens", "in [0, 32]", self.num_speculative_tokens)
+        if self.speculation not in ("fixed", "adaptive"):
+            bad("speculation", "'fixed' or 'adaptive'", self.speculation)
+        if self.min_group_size < 0:
+            bad("min_group_size", ">= 0", self.min_group_size)
+        if self.max_wait_steps < 1:
+            bad("max_wait_steps", ">= 1", self.max_wait_steps)
+        if self.max_prefill_tokens < 1:
+            bad("max_prefill_tokens", ">= 1", self.max_prefill_tokens)
+
+    @property
+    def group_threshold(self) -> int:
+        return self.min_group_size or max(2, self.max_batch_size // 2)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One delta of a request's stream. The last delta has finished=True."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # tokens new in this delta (possibly several from one speculative step)
+    text: str  # text new in this delta (incremental detokenisation; stop strings cut)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" when finished
+    prompt_tokens: int  # prompt length
+    completion_tokens: int  # tokens generated so far, this delta included
+    error: str | None = None  # message when finish_reason == "error"
+    num_draft_tokens: int = 0  # draft tokens proposed for this request so far
+    num_accepted_tokens: int = 0  # of those, accepted so far
+    queue_time_s: float | None = None  # on the first delta: seconds from submit() to first scheduled
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one scheduler step did, for metrics."""
+
+    kind: str  # "grouped" | "mixed" | "prefill"
+    batch_size: int  # sequences in the step
+    num_draft_tokens: int  # k used (0 for prefill or speculation off)
+    num_proposed_tokens: int  # draft tokens proposed over all rows (rows that opted out propose none)
+    num_drafts: int  # rows that proposed at least one draft token (vLLM's "drafts")
+    accepted_per_position: tuple[int, ...]  # [k]: rows whose i-th draft token was accepted
+    num_tokens: int  # tokens emitted by the step (all rows)
+    num_prompt_tokens: int  # prompt tokens prefilled by the step
+    schedule_s: float  # time choosing the batch
+    draft_s: float  # time drafting
+    verify_s: float  # time verifying and accepting (prefill: the forward)

@@ -1,0 +1,1 @@
+"""exspec HTTP server: OpenAI protocol models, app factory, streaming, metrics, CLI entry."""

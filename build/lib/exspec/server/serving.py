@@ -1,0 +1,433 @@
+"""OpenAI completions and chat completions on top of the scheduler: requests become scheduler submissions
+(one per prompt x choice), their delta streams become OpenAI responses or SSE chunks.
+
+The server only submits, reads streams and aborts: it never touches the engine's step functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from exspec.errors import InvalidRequestError
+from exspec.engine.params import SamplingParams
+from exspec.scheduler.types import QueueFullError, RequestOutput, SchedulerClosedError
+from exspec.server.metrics import RequestTimer, ServerMetrics
+from exspec.server.protocol import (
+    APIError,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    TextPart,
+    UsageInfo,
+)
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_DEFAULT_MAX_TOKENS_CAP = 1024  # chat default: the model length left, at most this
+logger = logging.getLogger("exspec.server")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class _Choice:
+    """What one scheduler request (one choice) has produced so far."""
+
+    index: int  # the choice's index in the response
+    prompt_ids: list[int]
+    timer: RequestTimer  # request-level metrics of this choice
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.text.append(out.text)
+        self.token_ids.extend(out.token_ids)
+        self.completion_tokens = out.completion_tokens
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self.error = out.error
+
+
+class _Generation:
+    """The scheduler requests behind one HTTP request. Whatever ends the HTTP request (completion, client
+    disconnect, cancellation), every request not yet finished is aborted, so its KV slot is freed."""
+
+    def __init__(self, scheduler, metrics: ServerMetrics, base_id: str, arrival: float,
+                 background: set[asyncio.Task]) -> None:
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.base_id = base_id
+        self.background = background  # the app's set of reaper tasks (a reference to each, until done)
+        self.arrival = arrival
+        self.choices: list[_Choice] = []
+        self._streams: list = []  # RequestStream per choice, same order
+        self._finished: set[int] = set()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        index = len(self.choices)
+        try:
+            stream = self.scheduler.submit(prompt_ids, params, request_id=f"{self.base_id}-{index}")
+        except BaseException:
+            self.abort_unfinished()
+            raise
+        self.choices.append(_Choice(index, prompt_ids, self.metrics.request_timer(self.arrival)))
+        self._streams.append(stream)
+
+    def abort_unfinished(self) -> None:
+        """Abort every choice not finished; a reaper task reads each one's last delta for the metrics."""
+        for i, stream in enumerate(self._streams):
+            if i not in self._finished:
+                self._finished.add(i)
+                self.scheduler.abort(stream.request_id)
+                task = asyncio.get_running_loop().create_task(self._reap(i))
+                self.background.add(task)
+                task.add_done_callback(self.background.discard)
+
+    async def _reap(self, i: int) -> None:
+        async for out in self._streams[i]:
+            self.choices[i].timer.observe(out)
+
+    async def deltas(self) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
+        """Every choice's deltas, merged in arrival order; ends when every choice has finished."""
+        source = self._single() if len(self._streams) == 1 else self._merged()
+        try:
+            async with aclosing(source):
+                async for item in source:
+                    yield item
+        finally:
+            self.abort_unfinished()
+
+    def _record(self, i: int, out: RequestOutput) -> _Choice:
+        choice = self.choices[i]
+        choice.timer.observe(out)
+        choice.add(out)
+        if out.finished:
+            self._finished.add(i)
+        return choice
+
+    async def _single(self) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
+        async for out in self._streams[0]:
+            yield self._record(0, out), out
+
+    async def _merged(self) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self._pump(i, queue)) for i in range(len(self._streams))]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    remaining -= 1
+                    continue
+                yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _pump(self, i: int, queue: asyncio.Queue) -> None:
+        try:
+            async for out in self._streams[i]:
+                queue.put_nowait((self._record(i, out), out))
+        except Exception as e:  # surfaced by the consumer, never lost in a task
+            queue.put_nowait(e)
+        queue.put_nowait(None)
+
+    async def collect(self) -> list[_Choice]:
+        async for _ in self.deltas():
+            pass
+        return self.choices
+
+    def usage(self, prompts: list[list[int]]) -> UsageInfo:
+        prompt_tokens = sum(len(p) for p in prompts)
+        completion_tokens = sum(c.completion_tokens for c in self.choices)
+        return UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(obj) -> str:
+    return f"data: {obj.model_dump_json()}\n\n"
+
+
+def _sse_error(message: str) -> str:
+    return "data: " + APIError(500, message, type="internal_error").body_json() + "\n\n"
+
+
+class OpenAIServing:
+    """The two generation endpoints. Holds no per-request state."""
+
+    def __init__(self, scheduler, metrics: ServerMetrics, model_name: str) -> None:
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.model_name = model_name
+        self.tokenizer = scheduler.tokenizer
+        self.max_model_len = scheduler.max_model_len
+        self.background: set[asyncio.Task] = set()  # reapers of aborted requests
+
+    def cancel_background(self) -> None:
+        for task in list(self.background):
+            task.cancel()
+
+    # ------------------------------------------------------------------------------------- endpoints
+
+    async def completions(self, req: CompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        self._check_common(req, req.unsupported_fields())
+        prompts, prompt_texts = self._completion_prompts(req)
+        max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
+        for ids in prompts:
+            self._check_length(ids, max_tokens, "prompt")
+        gen = self._submit(req, prompts, max_tokens, "cmpl", arrival)
+        if req.stream:
+            return self._streaming(self._completion_chunks(req, gen, prompts, prompt_texts))
+        choices = await self._collect(gen, request)
+        out = []
+        for c in choices:
+            text = "".join(c.text)
+            if req.echo:
+                text = prompt_texts[c.index // req.n] + text
+            ids = c.token_ids if req.return_token_ids else None
+            out.append(CompletionChoice(index=c.index, text=text, finish_reason=c.finish_reason, token_ids=ids,
+                                        prompt_token_ids=c.prompt_ids if req.return_token_ids else None))
+        body = CompletionResponse(id=gen.base_id, model=self.model_name, choices=out, usage=gen.usage(prompts))
+        return JSONResponse(body.model_dump())
+
+    async def chat_completions(self, req: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        self._check_common(req, req.unsupported_fields())
+        ids = self._chat_prompt(req)
+        asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if asked is None:
+            left = self.max_model_len - len(ids)
+            if left < 1:
+                self._check_length(ids, 1, "messages")
+            max_tokens = min(left, CHAT_DEFAULT_MAX_TOKENS_CAP)
+        else:
+            max_tokens = asked
+        self._check_length(ids, max_tokens, "messages")
+        gen = self._submit(req, [ids], max_tokens, "chatcmpl", arrival)
+        if req.stream:
+            return self._streaming(self._chat_chunks(req, gen, [ids]))
+        choices = await self._collect(gen, request)
+        out = [
+            ChatChoice(
+                index=c.index,
+                message=ChatResponseMessage(content="".join(c.text)),
+                finish_reason=c.finish_reason,
+                token_ids=c.token_ids if req.return_token_ids else None,
+                prompt_token_ids=c.prompt_ids if req.return_token_ids else None,
+            )
+            for c in choices
+        ]
+        body = ChatCompletionResponse(id=gen.base_id, model=self.model_name, choices=out, usage=gen.usage([ids]))
+        return JSONResponse(body.model_dump())
+
+    # ------------------------------------------------------------------------------------- requests in
+
+    def _check_common(self, req, unsupported: list[str]) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+        if unsupported:
+            raise APIError(400, f"{unsupported[0]} is not supported yet by exspec", param=unsupported[0],
+                           code="unsupported_parameter")
+
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def _completion_prompts(self, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+        """Token ids of each prompt, and each prompt's text (for echo)."""
+        p = req.prompt
+        if isinstance(p, str):
+            texts = [p]
+        elif len(p) == 0:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        elif isinstance(p[0], str):
+            texts = list(p)
+        elif isinstance(p[0], int):
+            return [list(p)], [self.tokenizer.decode(p) if req.echo else ""]
+        else:
+            return [list(x) for x in p], [self.tokenizer.decode(x) if req.echo else "" for x in p]
+        return [self._encode(t) for t in texts], texts
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = []
+        for i, m in enumerate(req.messages):
+            content = m.content
+            if content is None:
+                content = ""
+            elif isinstance(content, list):
+                parts = []
+                for part in content:
+                    if not isinstance(part, TextPart):
+                        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                        raise APIError(400, f"messages[{i}].content: only text parts are supported, got {kind!r}",
+                                       param="messages")
+                    parts.append(part.text)
+                content = "\n".join(parts)
+            messages.append({"role": m.role, "content": content})
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # a template may reject roles or orderings (jinja raise_exception)
+            raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from e
+        return self._encode(text, add_special_tokens=False)
+
+    def _check_length(self, ids: list[int], max_tokens: int, param: str) -> None:
+        if not ids:
+            raise APIError(400, "the prompt is empty: give at least one token", param=param)
+        if isinstance(max_tokens, int) and len(ids) + max_tokens > self.max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion). "
+                "Please reduce the prompt or max_tokens.",
+                param="max_tokens" if len(ids) < self.max_model_len else param,
+                code="context_length_exceeded",
+            )
+
+    def _params(self, req, max_tokens: int, choice: int) -> SamplingParams:
+        top_k = req.top_k if req.top_k not in (None, -1) else 0
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=top_k,
+            seed=None if req.seed is None else req.seed + choice,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens,
+            use_speculation=req.use_speculation,
+            stop=req.stop_strings(),
+        )
+
+    def _submit(self, req, prompts: list[list[int]], max_tokens: int, prefix: str, arrival: float) -> _Generation:
+        gen = _Generation(self.scheduler, self.metrics, f"{prefix}-{uuid.uuid4().hex}", arrival, self.background)
+        try:
+            params = [self._params(req, max_tokens, i) for i in range(req.n)]
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from e
+        try:
+            for ids in prompts:
+                for p in params:
+                    gen.submit(ids, p)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param="prompt") from e
+        except QueueFullError as e:
+            raise APIError(429, f"the server is busy: {e}", type="server_overloaded", code="queue_full") from e
+        except SchedulerClosedError as e:
+            raise APIError(503, f"the server is not accepting requests: {e}", type="service_unavailable") from e
+        return gen
+
+    # ------------------------------------------------------------------------------------- responses out
+
+    async def _collect(self, gen: _Generation, request: Request) -> list[_Choice]:
+        """All choices, finished; a client that disconnects first aborts them."""
+        collect = asyncio.create_task(gen.collect())
+        watch = asyncio.create_task(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not collect.done():
+                gen.abort_unfinished()
+                raise APIError(499, "client disconnected", type="client_closed_request")
+            choices = collect.result()
+        finally:
+            for t in (collect, watch):
+                t.cancel()
+        failed = [c for c in choices if c.finish_reason == "error"]
+        if failed:
+            raise APIError(500, f"generation failed: {failed[0].error}", type="internal_error")
+        return choices
+
+    @staticmethod
+    def _streaming(chunks: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def _sse_events(self, req, gen: _Generation, prompts, opening: list[str], render, usage_event):
+        """The SSE body: the opening events, one event per delta with something to say (`render`), the usage
+        event when asked for, then [DONE]. However it ends (a client disconnect cancels it), every choice
+        not finished is aborted."""
+        try:
+            for event in opening:
+                yield event
+            failed = None
+            async with aclosing(gen.deltas()) as deltas:
+                async for choice, out in deltas:
+                    if out.finished and out.finish_reason == "error":
+                        failed = out.error
+                        break
+                    if out.text or out.finished or (req.return_token_ids and out.token_ids):
+                        yield render(choice, out)
+            if failed is not None:
+                yield _sse_error(f"generation failed: {failed}")
+            elif req.include_usage():
+                yield usage_event(gen.usage(prompts))
+        except Exception as e:  # the status line is sent already: report it in the stream
+            logger.exception("streaming %s failed", gen.base_id)
+            yield _sse_error(f"internal server error: {type(e).__name__}: {e}")
+        finally:
+            gen.abort_unfinished()
+        yield "data: [DONE]\n\n"
+
+    def _completion_chunks(self, req: CompletionRequest, gen: _Generation, prompts, prompt_texts):
+        created = int(time.time())
+
+        def event(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+            return _sse(CompletionResponse(id=gen.base_id, created=created, model=self.model_name,
+                                           choices=choices, usage=usage))
+
+        def render(choice: _Choice, out: RequestOutput) -> str:
+            ids = list(out.token_ids) if req.return_token_ids else None
+            finish = out.finish_reason if out.finished else None
+            return event([CompletionChoice(index=choice.index, text=out.text, finish_reason=finish, token_ids=ids)])
+
+        opening = []
+        if req.echo:
+            opening = [event([CompletionChoice(index=c.index, text=prompt_texts[c.index // req.n])])
+                       for c in gen.choices]
+        return self._sse_events(req, gen, prompts, opening, render, lambda usage: event([], usage))
+
+    def _chat_chunks(self, req: ChatCompletionRequest, gen: _Generation, prompts):
+        created = int(time.time())
+
+        def event(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+            return _sse(ChatCompletionChunk(id=gen.base_id, created=created, model=self.model_name,
+                                            choices=choices, usage=usage))
+
+        def render(choice: _Choice, out: RequestOutput) -> str:
+            delta = DeltaMessage(content=out.text) if out.text else DeltaMessage()
+            ids = list(out.token_ids) if req.return_token_ids else None
+            finish = out.finish_reason if out.finished else None
+            return event([ChatChunkChoice(index=choice.index, delta=delta, finish_reason=finish, token_ids=ids)])
+
+        # The first chunk of each choice carries the role, as OpenAI's do.
+        opening = [event([ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))])
+                   for c in gen.choices]
+        return self._sse_events(req, gen, prompts, opening, render, lambda usage: event([], usage))
