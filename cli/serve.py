@@ -2,7 +2,8 @@
 
 Every flag can also come from its EXSPEC_* environment variable; a flag wins over the variable.
 SIGTERM (or Ctrl+C) drains: new requests get 503, running ones finish within --shutdown-timeout (then
-are aborted), and the process exits 0. A second signal exits at once.
+are aborted), and the process exits 0. A second signal ends every open stream with an error event and
+[DONE] and exits 128 + the signal number (see exspec.server.lifecycle).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 from pathlib import Path
 
@@ -38,6 +38,16 @@ FLAGS = {
     "shutdown_timeout": ("SECONDS", "on SIGTERM, how long running requests get to finish before they are aborted "
                                     "(default 30)"),
     "log_level": ("LEVEL", "critical | error | warning | info | debug (default info)"),
+    "max_body_bytes": ("BYTES", "request bodies above this are answered 413 (default 4194304)"),
+    "body_read_timeout": ("SECONDS", "time a client gets to send a whole request body, else 408 (default 30)"),
+    "keep_alive_timeout": ("SECONDS", "an idle connection, or one not finishing its headers, is closed (default 5)"),
+    "max_n": ("N", "choices per request, n and best_of (default 16)"),
+    "max_prompts": ("N", "prompts in one /v1/completions request (default 64)"),
+    "max_prompt_chars": ("N", "characters per prompt, and per chat request over all messages (default 1000000)"),
+    "max_messages": ("N", "messages per chat request (default 1024)"),
+    "max_stop": ("N", "stop strings per request (default 16)"),
+    "max_stop_chars": ("N", "characters per stop string (default 1024)"),
+    "max_stop_token_ids": ("N", "stop_token_ids per request (default 256)"),
 }
 
 
@@ -99,18 +109,19 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = build_server(settings)
     server.run()
-    return 0 if server.started else 1
+    return server.exit_status
 
 
 def build_server(settings: ServeSettings):
-    """Load the pair, build the scheduler and the app; return a uvicorn.Server ready to run (its signal
-    handling replaced by the drain, see _drain_on_signal)."""
+    """Load the pair, build the scheduler and the app; return a uvicorn.Server ready to run (signals: see
+    exspec.server.lifecycle)."""
     import torch
-    import uvicorn
 
     from exspec.engine import EngineConfig, ExspecError, SpecEngine
     from exspec.scheduler import AsyncScheduler, SchedulerConfig
     from exspec.server.app import build_app
+    from exspec.server.config import server_config
+    from exspec.server.lifecycle import make_server
 
     target, draft, name = settings.model, settings.draft_model, settings.served_model_name
     if target is None:
@@ -149,39 +160,11 @@ def build_server(settings: ServeSettings):
     logger.info("loading target %s, draft %s on %s (%s)", target, draft or "none (no speculation)", device, dtype)
     engine = SpecEngine(engine_config)
     scheduler = AsyncScheduler(engine, scheduler_config)
-    app = build_app(scheduler, settings.model_copy(update={"served_model_name": name}))
+    app = build_app(scheduler, server_config(settings, served_model_name=name))
     logger.info(
         "serving %r (k=%d %s, B=%d, W=%d, max_model_len=%d) on http://%s:%d/v1%s",
         app.state.model_name, settings.num_speculative_tokens if draft else 0, settings.speculation,
         settings.max_batch_size, settings.resolved_pool_size, max_len, settings.host, settings.port,
         " (API key required)" if settings.api_key else "",
     )
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level.lower(),
-        timeout_graceful_shutdown=5,  # after the drain; only slow readers are left by then
-    )
-    server = uvicorn.Server(config)
-    _drain_on_signal(server, app.state.lifecycle)
-    return server
-
-
-def _drain_on_signal(server, lifecycle) -> None:
-    """Replace uvicorn's signal handling: the first SIGTERM/SIGINT drains the scheduler (503 to new
-    requests while running ones finish), then stops uvicorn; a second signal stops at once. (uvicorn's own
-    handler would also re-raise the signal after serving, ending the process with -15 instead of 0.)"""
-    signals = []
-
-    def handle_exit(sig: int, frame) -> None:
-        signals.append(sig)
-        if len(signals) == 1:
-            logger.info("got %s: draining", signal.Signals(sig).name)
-            if lifecycle.drain_threadsafe(on_done=lambda: setattr(server, "should_exit", True)):
-                return
-        server.should_exit = True
-        if len(signals) > 1 and sig == signal.SIGINT or len(signals) > 2:
-            server.force_exit = True
-
-    server.handle_exit = handle_exit
+    return make_server(app, settings.host, settings.port, settings.log_level)

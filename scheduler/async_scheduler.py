@@ -73,6 +73,22 @@ class AsyncScheduler:
         self._thread.start()
 
     @property
+    def model_name(self) -> str:
+        return self.engine.pair.name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._dead is None and not self._stop.is_set()
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+INT64_MAX = 2**63 - 1
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 
 
@@ -33,6 +34,17 @@ class ServeSettings(BaseSettings):
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     speculation: str = "fixed"  # fixed | adaptive
     shutdown_timeout: float = Field(default=30.0, ge=0)  # seconds running requests get to finish on SIGTERM
+    # Limits of the HTTP server (server/config.py ServerConfig; docs/SERVER.md lists them all).
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1, le=INT64_MAX)  # larger bodies: 413
+    body_read_timeout: float = Field(default=30.0, gt=0)  # seconds to send a whole body, else 408
+    keep_alive_timeout: float = Field(default=5.0, gt=0)  # idle connection (or unfinished headers): closed
+    max_n: int = Field(default=16, ge=1, le=INT64_MAX)  # choices per request (n, best_of)
+    max_prompts: int = Field(default=64, ge=1, le=INT64_MAX)  # prompts in one completions request
+    max_prompt_chars: int = Field(default=1_000_000, ge=1, le=INT64_MAX)  # per prompt / per chat request
+    max_messages: int = Field(default=1024, ge=1, le=INT64_MAX)  # messages per chat request
+    max_stop: int = Field(default=16, ge=1, le=INT64_MAX)  # stop strings per request
+    max_stop_chars: int = Field(default=1024, ge=1, le=INT64_MAX)  # characters per stop string
+    max_stop_token_ids: int = Field(default=256, ge=0, le=INT64_MAX)  # stop_token_ids per request
     log_level: str = "info"
 
     @model_validator(mode="after")

@@ -4,15 +4,13 @@ step loop that died. A fake scheduler with AsyncScheduler's interface, behind a 
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
-
 import httpx
 import openai
 import pytest
 
 from exspec.scheduler.types import RequestOutput, StepStats
 from exspec.server.app import build_app
-from exspec.server.settings import ServeSettings
+from exspec.server.config import ServerConfig
 from tests.support.server_fixtures import serve_in_thread
 from tests.support.tiny_models import build_tokenizer
 
@@ -37,8 +35,10 @@ class FakeScheduler:
     """Deterministic deltas, no engine: "ab" then "cd" and length; or "ab" then a failed step."""
 
     def __init__(self, tokenizer) -> None:
-        self.engine = SimpleNamespace(tokenizer=tokenizer, max_model_len=64, eos_token_ids=(2,),
-                                      pair=SimpleNamespace(name="fake"))
+        self.tokenizer = tokenizer
+        self.model_name = "fake"
+        self.max_model_len = 64
+        self.vocab_size = len(tokenizer)
         self.is_alive = True
         self.is_accepting = True
         self.num_running = self.num_waiting = 0
@@ -76,7 +76,7 @@ class FakeScheduler:
 def fake(tmp_path_factory):
     tokenizer = build_tokenizer(tmp_path_factory.mktemp("fake-tok"))
     scheduler = FakeScheduler(tokenizer)
-    with serve_in_thread(build_app(scheduler, ServeSettings(_env_file=None))) as (base, server, thread):
+    with serve_in_thread(build_app(scheduler, ServerConfig())) as (base, server, thread):
         yield base, scheduler
 
 
@@ -91,14 +91,18 @@ def test_an_exception_is_a_500_error_object_and_the_server_lives_on(fake):
     base, _ = fake
     r = httpx.post(base + "/v1/completions", json={"prompt": [BOOM, 1], "max_tokens": 4})
     assert r.status_code == 500
-    assert "exploded" in r.json()["error"]["message"] and r.json()["error"]["type"] == "internal_error"
+    err = r.json()["error"]
+    assert err["type"] == "internal_error"
+    # a generic message naming the request id; the exception's details stay in the server log
+    assert "exploded" not in err["message"] and r.headers["x-request-id"] in err["message"]
     assert httpx.post(base + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 4}).status_code == 200
 
 
 def test_failed_generation_non_stream_is_500(fake):
     base, _ = fake
     r = httpx.post(base + "/v1/completions", json={"prompt": [FAIL_MIDWAY, 1], "max_tokens": 4})
-    assert r.status_code == 500 and "internal error in the engine step" in r.json()["error"]["message"]
+    assert r.status_code == 500 and r.headers["x-request-id"] in r.json()["error"]["message"]
+    assert "engine step" not in r.json()["error"]["message"]
 
 
 def test_failed_generation_stream_sends_an_error_event(fake):
@@ -107,10 +111,11 @@ def test_failed_generation_stream_sends_an_error_event(fake):
     with httpx.stream("POST", base + "/v1/completions", json=body) as r:
         events = [line for line in r.iter_lines() if line.startswith("data:")]
     assert '"text":"ab"' in events[0]
-    assert '"error"' in events[-2] and "internal error in the engine step" in events[-2]
+    assert '"error"' in events[-2] and r.headers["x-request-id"] in events[-2]
+    assert "engine step" not in events[-2]
     assert events[-1] == "data: [DONE]"
     client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
-    with pytest.raises(openai.APIError, match="internal error in the engine step"):
+    with pytest.raises(openai.APIError, match="generation failed"):
         for _ in client.completions.create(model="fake", prompt=[FAIL_MIDWAY, 1], max_tokens=4, stream=True):
             pass
 
