@@ -80,7 +80,7 @@ def check_messages(req: ChatCompletionRequest, config: ServerConfig) -> None:
         if isinstance(m.content, str):
             chars += len(m.content)
         elif m.content is not None:
-            chars += sum(len(part.text) for part in m.content if not isinstance(part, dict))
+            chars += sum(len(getattr(part, "text", "")) for part in m.content)
     if chars > config.max_prompt_chars:
         raise _bad("messages", f"at most {config.max_prompt_chars} characters of content in all",
                    f"{chars} characters", "--max-prompt-chars")

@@ -111,9 +111,21 @@ class TextPart(_Request):
     text: Text
 
 
+def _not_text(kind: str) -> str:
+    if kind == "text":
+        raise ValueError("a text part needs a valid string `text`")
+    return kind
+
+
+class OtherPart(_Request):
+    """A content part that is not text (image_url, input_audio, ...): refused by the server, by name."""
+
+    type: Annotated[Text, AfterValidator(_not_text)]
+
+
 class ChatMessage(_Request):
     role: Text
-    content: Text | list[TextPart | dict] | None = None
+    content: Text | list[TextPart | OtherPart] | None = None
     name: Text | None = None
 
 

@@ -328,9 +328,8 @@ class OpenAIServing:
                 parts = []
                 for part in content:
                     if not isinstance(part, TextPart):
-                        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                        raise APIError(400, f"messages[{i}].content: only text parts are supported, got {kind!r}",
-                                       param="messages")
+                        raise APIError(400, f"messages[{i}].content: only text parts are supported, got "
+                                            f"{part.type!r}", param="messages")
                     parts.append(part.text)
                 content = "\n".join(parts)
             chars += len(content)
