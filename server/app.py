@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exspec.errors import InvalidRequestError
 from exspec.server.config import ServerConfig
-from exspec.server.edge import EdgeMiddleware
+from exspec.server.edge import EdgeMiddleware, OffLoopJSONRoute
 from exspec.server.lifecycle import Lifecycle
 from exspec.server.metrics import ServerMetrics
 from exspec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -114,7 +114,7 @@ def build_app(scheduler: SchedulerProtocol, config: ServerConfig) -> FastAPI:
     _install_error_handlers(app)
     app.add_middleware(EdgeMiddleware, config=config)
 
-    v1 = APIRouter(prefix="/v1")
+    v1 = APIRouter(prefix="/v1", route_class=OffLoopJSONRoute)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -86,6 +86,27 @@ def check_messages(req: ChatCompletionRequest, config: ServerConfig) -> None:
                    f"{chars} characters", "--max-prompt-chars")
 
 
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token can decode to, bounded from above by its vocabulary entry's length (a
+    byte-level entry has one character per byte; a SentencePiece or WordPiece entry is no shorter than its
+    text). Special tokens count too."""
+    vocab = tokenizer.get_vocab()
+    return max((len(piece) for piece in vocab), default=1) or 1
+
+
+def check_fits_in_tokens(chars: int, max_model_len: int, token_chars: int, param: str) -> None:
+    """A text of `chars` characters has at least chars / token_chars tokens: refuse at once, without
+    tokenizing, one that cannot fit (with a factor 2 of margin for normalizers that shorten text)."""
+    bound = 2 * max_model_len * token_chars
+    if chars > bound:
+        raise APIError(
+            400,
+            f"{param} has {chars} characters: more than the {max_model_len} tokens of this model's context can "
+            f"hold (at most {bound} characters here; a token is at most {token_chars} characters)",
+            param=param, code="context_length_exceeded",
+        )
+
+
 def engine_seed(seed: int | None, choice: int) -> int | None:
     """Choice `choice`'s seed: any integer (negative, beyond 64 bits) reduced to the engine's [0, 2**63)."""
     return None if seed is None else (seed + choice) % SEED_MODULUS

@@ -203,6 +203,7 @@ class OpenAIServing:
         self.tokenizer = scheduler.tokenizer
         self.max_model_len = scheduler.max_model_len
         self.vocab_size = scheduler.vocab_size
+        self.token_chars = limits.max_token_chars(self.tokenizer)
         self.background: set[asyncio.Task] = set()  # reapers of aborted requests
         self._pool = ThreadPoolExecutor(OFFLOAD_THREADS, thread_name_prefix="exspec-tokenize")
 
@@ -295,10 +296,11 @@ class OpenAIServing:
     async def _completion_prompts(self, req: CompletionRequest, max_tokens: int) -> list[list[int]]:
         """Token ids of each prompt, each checked: length, then every id in the vocabulary."""
         p = req.prompt
-        if isinstance(p, str):
-            prompts = [await self._off_loop(len(p), self._encode, p)]
-        elif isinstance(p[0], str):
-            prompts = [await self._off_loop(len(t), self._encode, t) for t in p]
+        if isinstance(p, str) or isinstance(p[0], str):
+            texts = [p] if isinstance(p, str) else p
+            for t in texts:
+                limits.check_fits_in_tokens(len(t), self.max_model_len, self.token_chars, "prompt")
+            prompts = [await self._off_loop(len(t), self._encode, t) for t in texts]
         elif isinstance(p[0], int):
             prompts = [list(p)]
         else:
@@ -336,6 +338,7 @@ class OpenAIServing:
             messages.append({"role": m.role, "content": content})
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
+        limits.check_fits_in_tokens(chars, self.max_model_len, self.token_chars, "messages")
         return await self._off_loop(chars, self._render_chat, messages)
 
     def _render_chat(self, messages: list[dict]) -> list[int]:
