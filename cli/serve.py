@@ -38,7 +38,7 @@ FLAGS = {
     "shutdown_timeout": ("SECONDS", "on SIGTERM, how long running requests get to finish before they are aborted "
                                     "(default 30)"),
     "log_level": ("LEVEL", "critical | error | warning | info | debug (default info)"),
-    "max_body_bytes": ("BYTES", "request bodies above this are answered 413 (default 4194304)"),
+    "max_body_bytes": ("BYTES", "request bodies above this are answered 413 (default 2097152, 2 MiB)"),
     "body_read_timeout": ("SECONDS", "time a client gets to send a whole request body, else 408 (default 30)"),
     "keep_alive_timeout": ("SECONDS", "an idle connection, or one not finishing its headers, is closed (default 5)"),
     "max_n": ("N", "choices per request, n and best_of (default 16)"),

@@ -14,7 +14,7 @@ class ServerConfig:
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     shutdown_timeout: float = 30.0  # seconds running requests get to finish after the first SIGTERM/SIGINT
     # --- connections
-    max_body_bytes: int = 4 * 1024 * 1024  # request bodies above this are answered 413
+    max_body_bytes: int = 2 * 1024 * 1024  # request bodies above this are answered 413
     body_read_timeout: float = 30.0  # seconds a client may take to send its whole body (else 408)
     keep_alive_timeout: float = 5.0  # seconds an idle connection (or one sending no full request) stays open
     # --- request fields

@@ -34,18 +34,18 @@ _PROMPT_KINDS = "a string, a list of strings, a list of token ids, or a list of 
 
 def _prompt(value: Any) -> str | list:
     """One pass over the prompt with no per-item error objects: a union of four list types in pydantic
-    costs ~1 s on the event loop for a million token ids; this costs a few tens of milliseconds."""
+    costs ~1 s on the event loop for a million token ids; this costs ~10 ms."""
     if isinstance(value, str):
         return _no_lone_surrogates(value)
     if isinstance(value, list):
         if not value:
             return value  # refused by the server: "prompt must not be empty"
-        first = value[0]
-        if type(first) is int and all(type(x) is int for x in value):
+        kinds = set(map(type, value))  # C speed: ~10 ms for a million items
+        if kinds == {int}:
             return value
-        if isinstance(first, str) and all(isinstance(x, str) for x in value):
+        if kinds == {str}:
             return [_no_lone_surrogates(x) for x in value]
-        if isinstance(first, list) and all(isinstance(p, list) and all(type(x) is int for x in p) for p in value):
+        if kinds == {list} and all(set(map(type, p)) <= {int} for p in value):
             return value
     raise ValueError(f"prompt must be {_PROMPT_KINDS}")
 

@@ -35,7 +35,7 @@ class ServeSettings(BaseSettings):
     speculation: str = "fixed"  # fixed | adaptive
     shutdown_timeout: float = Field(default=30.0, ge=0)  # seconds running requests get to finish on SIGTERM
     # Limits of the HTTP server (server/config.py ServerConfig; docs/SERVER.md lists them all).
-    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1, le=INT64_MAX)  # larger bodies: 413
+    max_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1, le=INT64_MAX)  # larger bodies: 413
     body_read_timeout: float = Field(default=30.0, gt=0)  # seconds to send a whole body, else 408
     keep_alive_timeout: float = Field(default=5.0, gt=0)  # idle connection (or unfinished headers): closed
     max_n: int = Field(default=16, ge=1, le=INT64_MAX)  # choices per request (n, best_of)
