@@ -103,7 +103,8 @@ class Lifecycle:
                 step = asyncio.ensure_future(anext(source))
                 await asyncio.wait({step, killed}, return_when=asyncio.FIRST_COMPLETED)
                 if not step.done():
-                    step.cancel()
+                    step.cancel()  # and wait until `source` has left its await: then it can be closed
+                    await asyncio.wait({step})
                     raise ServerKilled()
                 try:
                     item = step.result()
