@@ -11,6 +11,7 @@ import secrets
 import time
 import uuid
 
+import pydantic_core
 from fastapi.routing import APIRoute
 from starlette.requests import Request
 
@@ -130,20 +131,30 @@ async def send_error(send, err: APIError, close: bool = False) -> None:
 OFFLOAD_JSON_BYTES = 64 * 1024  # bodies larger than this are parsed in a worker thread
 
 
+def _parse_large_json(body: bytes):
+    """pydantic-core's parser: twice as fast as json.loads on big bodies (both hold the GIL while parsing,
+    so the event loop waits that long even though this runs in a thread). Errors become JSONDecodeError,
+    which FastAPI answers as invalid JSON (400)."""
+    try:
+        return pydantic_core.from_json(body)
+    except ValueError as e:
+        raise json.JSONDecodeError(str(e), "", 0) from None
+
+
 class _OffLoopJSONRequest(Request):
     async def json(self):
         if not hasattr(self, "_json"):
             body = await self.body()
             if len(body) > OFFLOAD_JSON_BYTES:
-                self._json = await asyncio.to_thread(json.loads, body)
+                self._json = await asyncio.to_thread(_parse_large_json, body)
             else:
                 self._json = json.loads(body)
         return self._json
 
 
 class OffLoopJSONRoute(APIRoute):
-    """A route whose JSON body, when large, is parsed off the event loop (a few MB of JSON take 0.1-0.2 s
-    to parse: every stream would stall that long)."""
+    """A route whose JSON body, when large, is parsed off the event loop by a faster parser (a few MB of
+    JSON take 0.1-0.3 s to parse on a busy core)."""
 
     def get_route_handler(self):
         handler = super().get_route_handler()

@@ -49,8 +49,9 @@ def check_min_tokens(req, max_tokens: int) -> None:
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    """Every id of a token-id prompt is in the vocabulary (call after the length check: len is bounded)."""
-    out = [t for t in ids if not 0 <= t < vocab_size]
+    """Every id of a token-id prompt is an integer in the vocabulary (call after the length check, so that
+    `ids` is at most max_model_len long)."""
+    out = [t for t in ids if type(t) is not int or not 0 <= t < vocab_size]
     if out:
         raise _bad(param, f"token ids in [0, {vocab_size})", out[:5])
 
@@ -62,9 +63,11 @@ def check_completion_prompts(req: CompletionRequest, config: ServerConfig) -> No
     else:
         if len(p) == 0:
             raise APIError(400, "prompt must not be empty", param="prompt")
-        if not isinstance(p[0], int) and len(p) > config.max_prompts:
+        if isinstance(p[0], int):
+            return  # one token-id prompt: its length and ids are checked against the model
+        if len(p) > config.max_prompts:
             raise _bad("prompt", f"at most {config.max_prompts} prompts", f"{len(p)} prompts", "--max-prompts")
-        texts = [x for x in p if isinstance(x, str)]
+        texts = p if isinstance(p[0], str) else []
     for t in texts:
         if len(t) > config.max_prompt_chars:
             raise _bad("prompt", f"at most {config.max_prompt_chars} characters", f"{len(t)} characters",

@@ -302,9 +302,9 @@ class OpenAIServing:
                 limits.check_fits_in_tokens(len(t), self.max_model_len, self.token_chars, "prompt")
             prompts = [await self._off_loop(len(t), self._encode, t) for t in texts]
         elif isinstance(p[0], int):
-            prompts = [list(p)]
+            prompts = [p]
         else:
-            prompts = [list(x) for x in p]
+            prompts = p
         for ids in prompts:
             self._check_length(ids, max_tokens, "prompt")
             limits.check_token_ids(ids, self.vocab_size, "prompt")

@@ -124,6 +124,8 @@ def test_disconnect_soak_leaves_no_slot_and_flat_memory(srv):
     reasons = asyncio.run(_soak(srv, 200, 16))
     assert srv.wait_idle(60), "requests were left running or waiting"
     after = _rss_bytes()
+    print(f"soak: 200 streams, 100 left mid-stream; RSS {before / 2**20:.0f} -> {after / 2**20:.0f} MB, "
+          f"{srv.engine.allocator.num_used} KV slots used")
     assert reasons[0::2] == ["length"] * 100  # the streams that stayed got all their tokens
     assert srv.engine.allocator.num_used == 0
     assert srv.scheduler.kv_slots_used_ratio == 0
