@@ -135,7 +135,7 @@ def build_app(scheduler: SchedulerProtocol, config: ServerConfig) -> FastAPI:
     async def model(model_id: str) -> ModelCard:
         if model_id != model_name:
             raise APIError(404, f"The model `{model_id}` does not exist; this server serves `{model_name}`.",
-                           type="not_found_error", param="model", code="model_not_found")
+                           param="model", code="model_not_found")
         return card()
 
     app.include_router(v1)

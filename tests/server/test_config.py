@@ -50,3 +50,16 @@ def test_bad_values_are_refused_by_name(field, value):
 def test_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         ServerConfig().max_n = 3
+
+
+def test_the_scheduler_implements_the_protocol_the_server_uses():
+    """Everything SchedulerProtocol names exists on AsyncScheduler (a rename on either side fails here)."""
+    from exspec.scheduler import AsyncScheduler
+    from exspec.server.scheduler_api import SchedulerProtocol
+
+    members = {name for name in vars(SchedulerProtocol) if not name.startswith("_")}
+    assert {"model_name", "max_model_len", "tokenizer", "vocab_size", "submit", "abort", "start", "shutdown",
+            "is_alive", "is_accepting", "num_waiting", "num_running", "kv_slots_used_ratio",
+            "add_step_listener"} <= members
+    missing = sorted(name for name in members if not hasattr(AsyncScheduler, name))
+    assert not missing, missing
