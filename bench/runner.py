@@ -280,6 +280,7 @@ class Bench:
                 max_num_seqs=pool,
                 max_model_len=self.max_model_len,
                 max_num_speculative_tokens=k,
+                force_mixed=method == "exspec-mixed",
             ),
             pair=pair,
         )
@@ -288,7 +289,6 @@ class Bench:
             pool_size=pool,
             max_waiting=10**9,
             num_speculative_tokens=k,
-            force_mixed=method == "exspec-mixed",
         )
 
         def run(prompts: list[list[int]], warmup: bool = False) -> RunResult:

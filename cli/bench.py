@@ -13,7 +13,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from exspec.cli.generate import add_engine_arguments, resolve_models
+from exspec.cli.flags import add_settings_arguments, resolve_models, settings_from_args
+from exspec.config import resolve_device
+
+# The shared settings bench takes (the same defaults as serve and generate, from exspec.config.Settings).
+BENCH_FIELDS = ("model", "draft_model", "device", "dtype", "max_model_len")
 
 METHODS = ("target-ar", "hf-generate", "hf-assisted", "exspec-mixed", "exspec")  # == loadtest.bench.METHODS
 
@@ -37,7 +41,7 @@ def _methods(text: str) -> tuple[str, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_engine_arguments(p)
+    add_settings_arguments(p, BENCH_FIELDS)
     p.add_argument("--output", type=Path, default=Path("bench-results"), help="output directory (default: bench-results)")
     p.add_argument("--methods", type=_methods, default=METHODS, help=f"comma-separated (default: {','.join(METHODS)})")
     p.add_argument("--batch-sizes", type=_int_list, default=(1, 2, 4, 8, 16, 32), help="default: 1,2,4,8,16,32")
@@ -59,11 +63,13 @@ def run(args: argparse.Namespace) -> int:
     if args.output.exists() and not args.output.is_dir():
         raise BenchError(f"--output {str(args.output)!r} exists and is not a directory")
     # Validate every option before the demo pair may be built (minutes): placeholders stand for its paths.
+    settings = settings_from_args(args, BENCH_FIELDS)
+    device, dtype = resolve_device(settings.device, settings.dtype)
     config = BenchConfig(
-        model=args.model or Path("<demo target>"),
-        draft_model=args.draft_model if args.model is not None else Path("<demo draft>"),
-        device=args.device,
-        dtype=args.dtype,
+        model=settings.model or Path("<demo target>"),
+        draft_model=settings.draft_model if settings.model is not None else Path("<demo draft>"),
+        device=device,
+        dtype=dtype,
         methods=args.methods,
         batch_sizes=args.batch_sizes,
         num_prompts=args.num_prompts,
@@ -73,10 +79,10 @@ def run(args: argparse.Namespace) -> int:
         pool_factor=args.pool_factor,
         repeats=args.repeats,
         chat_template=args.chat_template,
-        max_model_len=args.max_model_len,
+        max_model_len=settings.max_model_len or 2048,
         warmup=not args.no_warmup,
     )
-    target, draft = resolve_models(args)
+    target, draft, _ = resolve_models(settings)
     config = replace(config, model=target, draft_model=draft)
     import torch
 
@@ -86,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
         "command": "exspec " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "exspec bench",
         "target": str(target),
         "draft": str(draft),
-        "device": args.device,
-        "dtype": args.dtype,
+        "device": device,
+        "dtype": dtype,
         "prompts": f"{config.num_prompts} SpecBench turns[0]" + (" (chat template)" if config.chat_template else "")
                    + (f", at most {config.max_prompt_len} tokens" if config.max_prompt_len else ""),
         "max_tokens": config.max_tokens,

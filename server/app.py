@@ -91,7 +91,7 @@ def build_app(scheduler: SchedulerProtocol, config: ServerConfig) -> FastAPI:
     """An OpenAI-compatible app over `scheduler` (not yet started: the app's lifespan starts it and drains
     it). The server talks to the scheduler only through `SchedulerProtocol`."""
     model_name = config.served_model_name or scheduler.model_name
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(model_name)
     metrics.bind_scheduler(scheduler)
     lifecycle = Lifecycle(scheduler, config.shutdown_timeout)
     serving = OpenAIServing(scheduler, metrics, model_name, config, lifecycle)

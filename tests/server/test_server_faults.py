@@ -95,7 +95,7 @@ class FakeScheduler:
         else:
             last = RequestOutput(request_id, (42, 43), "cd", True, "length", n, 4)
         for fn in self.listeners:
-            fn(StepStats("grouped", 1, 2, 2, (1, 0), 2, 0, 0.001, 0.002, 0.003))
+            fn(StepStats("grouped", 1, 2, 2, 1, (1, 0), 2, 0, 0.001, 0.002, 0.003))
         return FakeStream(request_id, [first, last])
 
 
