@@ -30,6 +30,16 @@ FLAGS = {
     "shutdown_timeout": ("SECONDS", "on SIGTERM, how long running requests get to finish before they are aborted "
                                     "(default 30)"),
     "log_level": ("LEVEL", "critical | error | warning | info | debug (default info)"),
+    "max_body_bytes": ("BYTES", "request bodies above this are answered 413 (default 2097152, 2 MiB)"),
+    "body_read_timeout": ("SECONDS", "time a client gets to send a whole request body, else 408 (default 30)"),
+    "keep_alive_timeout": ("SECONDS", "an idle connection, or one not finishing its headers, is closed (default 5)"),
+    "max_n": ("N", "choices per request, n and best_of (default 16)"),
+    "max_prompts": ("N", "prompts in one /v1/completions request (default 64)"),
+    "max_prompt_chars": ("N", "characters per prompt, and per chat request over all messages (default 1000000)"),
+    "max_messages": ("N", "messages per chat request (default 1024)"),
+    "max_stop": ("N", "stop strings per request (default 16)"),
+    "max_stop_chars": ("N", "characters per stop string (default 1024)"),
+    "max_stop_token_ids": ("N", "stop_token_ids per request (default 256)"),
 }
 # The fields of the model pair, the engine and the scheduler: serve, generate and bench take these.
 ENGINE_FIELDS = (

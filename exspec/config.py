@@ -54,6 +54,17 @@ class Settings(BaseSettings):
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     shutdown_timeout: float = Field(default=30.0, ge=0)  # seconds running requests get to finish on SIGTERM
     log_level: str = "info"
+    # the server's limits (exspec.server.config.ServerConfig; docs/SERVER.md lists them all)
+    max_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1, le=2**63 - 1)  # larger bodies: 413
+    body_read_timeout: float = Field(default=30.0, gt=0)  # seconds to send a whole body, else 408
+    keep_alive_timeout: float = Field(default=5.0, gt=0)  # idle connection (or unfinished headers): closed
+    max_n: int = Field(default=16, ge=1, le=2**63 - 1)  # choices per request (n, best_of)
+    max_prompts: int = Field(default=64, ge=1, le=2**63 - 1)  # prompts in one completions request
+    max_prompt_chars: int = Field(default=1_000_000, ge=1, le=2**63 - 1)  # per prompt / per chat request
+    max_messages: int = Field(default=1024, ge=1, le=2**63 - 1)  # messages per chat request
+    max_stop: int = Field(default=16, ge=1, le=2**63 - 1)  # stop strings per request
+    max_stop_chars: int = Field(default=1024, ge=1, le=2**63 - 1)  # characters per stop string
+    max_stop_token_ids: int = Field(default=256, ge=0, le=2**63 - 1)  # stop_token_ids per request
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
