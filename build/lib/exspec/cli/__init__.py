@@ -1,1 +1,0 @@
-"""`exspec.cli`: the `exspec` command, a thin layer that parses flags and calls one library function each."""

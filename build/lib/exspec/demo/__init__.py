@@ -1,1 +1,0 @@
-"""`exspec.demo`: the builder of the built-in demo model pair (`exspec demo-models`)."""

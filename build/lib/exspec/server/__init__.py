@@ -1,1 +1,0 @@
-"""exspec HTTP server: OpenAI protocol models, app factory, streaming, metrics, CLI entry."""
