@@ -11,7 +11,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from exspec.bench.runner import NEAR_TIE_EPS, TIMING, Bench, BenchConfig, BenchError, resolve_device_dtype
+from exspec.bench.runner import NEAR_TIE_EPS, TIMING, Bench, BenchConfig, BenchError
+from exspec.config import resolve_device
 
 DEFAULT_REPEATS = {"throughput": 3, "forward": 7}
 
@@ -23,7 +24,7 @@ def run_command(args: argparse.Namespace, resolve_models: Callable[[argparse.Nam
         raise BenchError(f"--output {str(args.output)!r} exists and is not a directory")
     if args.synthetic is not None and args.model is not None:
         raise BenchError("pass one of --model and --synthetic, not both")
-    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    device, dtype = resolve_device(args.device, args.dtype)
     if dtype not in NEAR_TIE_EPS:
         raise BenchError(f"--dtype must be auto or one of {sorted(NEAR_TIE_EPS)}, got {dtype!r}")
     repeats = args.repeats if args.repeats is not None else DEFAULT_REPEATS[args.mode]
@@ -78,7 +79,7 @@ def _loadavg() -> str:
 
 def _throughput(args, device: str, dtype: str, repeats: int, resolve_models) -> int:
     from exspec.bench.report import write_results
-    from exspec.loadtest.reference import write_reference
+    from exspec.data.reference import write_reference
 
     # Validate every option before a pair may be built (minutes): placeholders stand for its paths.
     config = BenchConfig(

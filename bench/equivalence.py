@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from exspec.loadtest.reference import first_divergence  # noqa: F401 (re-exported: one definition)
+from exspec.data.reference import first_divergence  # noqa: F401 (re-exported: one definition)
 
 # fp32 keeps ~1e-6 relative error through a forward; bf16/fp16 keep 8/11 bits of mantissa.
 NEAR_TIE_EPS = {"float32": 1e-3, "fp32": 1e-3, "bfloat16": 0.05, "bf16": 0.05, "float16": 0.05, "fp16": 0.05}

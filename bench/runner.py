@@ -13,7 +13,8 @@ Methods (`METHODS`):
 - `target-ar`: the target alone through our engine and scheduler, k = 0, pool W = B.
 - `hf-generate`: `model.generate()` of the target on static left-padded batches of B prompts.
 - `hf-assisted`: Hugging Face assisted generation (`assistant_model=draft`), k fixed, batch 1 only.
-- `exspec-mixed`: exspec at a fixed k with every step through the mixed-length path (`force_mixed=True`).
+- `exspec-mixed`: exspec at a fixed k with every step through the mixed-length path (the engine's
+  `force_mixed=True`).
 - `exspec-fixed`: exspec at a fixed k with EXSPEC grouping, pool W = pool_factor * B.
 - `exspec`: exspec exactly as served by default: `SchedulerConfig`'s default speculation policy (not passed
   here, so the row follows the default wherever it goes), k as the largest k, pool W = pool_factor * B.
@@ -36,7 +37,7 @@ import torch
 from exspec.engine import EngineConfig, ExspecError, ModelPair, SamplingParams, SpecEngine, load_model_pair
 from exspec.data import DatasetError, all_questions, encode_prompts, evenly_spaced, load_questions
 from exspec.bench.equivalence import NEAR_TIE_EPS, classify_divergences, top2_gap, top2_gaps_along
-from exspec.loadtest.reference import ReferenceRow
+from exspec.data.reference import ReferenceRow
 from exspec.scheduler import SchedulerConfig, generate_offline
 
 METHODS = ("target-ar", "hf-generate", "hf-assisted", "exspec-mixed", "exspec-fixed", "exspec")
@@ -58,7 +59,7 @@ class BenchError(ExspecError):
 class BenchConfig:
     model: Path  # target model directory
     draft_model: Path | None  # draft directory; needed by DRAFT_METHODS
-    device: str = "cpu"  # resolved: "cpu", "cuda" or "cuda:N" (resolve_device_dtype turns "auto" into one)
+    device: str = "cpu"  # resolved: "cpu", "cuda" or "cuda:N" (exspec.config.resolve_device turns "auto" into one)
     dtype: str = "float32"  # resolved: a key of NEAR_TIE_EPS
     methods: tuple[str, ...] = METHODS
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
@@ -281,7 +282,7 @@ class Bench:
         fields = dict(max_batch_size=b, pool_size=self._pool_size(method, b), max_waiting=10**9,
                       num_speculative_tokens=k)
         if method in ("exspec-fixed", "exspec-mixed"):
-            fields.update(speculation="fixed", force_mixed=method == "exspec-mixed")
+            fields.update(speculation="fixed")  # exspec-mixed's force_mixed is an engine setting
         return SchedulerConfig(**fields)
 
     def _engine_runner(self, method: str, b: int):
@@ -298,6 +299,7 @@ class Bench:
                 max_num_seqs=pool,
                 max_model_len=self.max_model_len,
                 max_num_speculative_tokens=k,
+                force_mixed=method == "exspec-mixed",
             ),
             pair=pair,
         )
@@ -436,15 +438,6 @@ def _copy(gen_config):
 def _tick(bar) -> None:
     if bar is not None:
         bar.update(1)
-
-
-def resolve_device_dtype(device: str, dtype: str) -> tuple[str, str]:
-    """"auto" device: cuda when torch sees one, else cpu. "auto" dtype: bfloat16 on cuda, float32 on cpu."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    return device, dtype
 
 
 def run_bench(config: BenchConfig, progress: bool = True) -> list[BenchRow]:

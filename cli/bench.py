@@ -12,7 +12,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from exspec.cli.generate import add_engine_arguments, resolve_models
+from exspec.cli.flags import add_settings_arguments, resolve_models, settings_from_args
+
+# The shared settings bench takes (the same flags, variables and defaults as serve and generate:
+# exspec.config.Settings; device and dtype default to auto there).
+BENCH_FIELDS = ("model", "draft_model", "device", "dtype", "max_model_len")
 
 # == exspec.bench.runner.METHODS (not imported here: that module imports torch)
 METHODS = ("target-ar", "hf-generate", "hf-assisted", "exspec-mixed", "exspec-fixed", "exspec")
@@ -38,13 +42,7 @@ def _methods(text: str) -> tuple[str, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_engine_arguments(p)
-    p.set_defaults(device="auto", dtype="auto")
-    for action in p._actions:
-        if action.dest == "device":
-            action.help = "auto, cpu, cuda or cuda:N (default: auto: cuda when available)"
-        elif action.dest == "dtype":
-            action.help = "auto, float32, bfloat16 or float16 (default: auto: bfloat16 on cuda, float32 on cpu)"
+    add_settings_arguments(p, BENCH_FIELDS)
     p.add_argument("--mode", choices=["throughput", "forward"], default="throughput",
                    help="throughput: tokens/s per method (default); forward: one target forward, consecutive "
                         "against scattered KV slots")
@@ -75,4 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from exspec.bench.command import run_command
 
-    return run_command(args, resolve_models)
+    settings = settings_from_args(args, BENCH_FIELDS)  # flags, then EXSPEC_* variables, then defaults
+    resolved = {f: getattr(settings, f) for f in BENCH_FIELDS}
+    resolved["max_model_len"] = settings.max_model_len or 2048  # bench caps prompt + max_tokens at this
+    return run_command(argparse.Namespace(**{**vars(args), **resolved}), lambda _: resolve_models(settings)[:2])

@@ -9,6 +9,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from exspec.cli.flags import ENGINE_FIELDS, add_settings_arguments, resolve_models, settings_from_args
+from exspec.config import resolve
 from exspec.errors import ExspecError
 
 
@@ -16,28 +18,17 @@ class InputError(ExspecError):
     """The input file or an argument is malformed."""
 
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """Model and engine flags shared by generate and bench."""
-    p.add_argument("--model", type=Path, help="target model directory (default: the built-in demo pair)")
-    p.add_argument("--draft-model", type=Path, help="draft model directory (default: the demo draft with the demo target; none otherwise)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
-    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens per sequence (default: 2048)")
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", type=Path, required=True, help='JSONL: {"prompt": "text"} or {"prompt_token_ids": [...]} per line')
     p.add_argument("--output", type=Path, required=True, help="JSONL results, in input order")
-    add_engine_arguments(p)
+    add_settings_arguments(p, ENGINE_FIELDS)
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per prompt at most (default: 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
     p.add_argument("--seed", type=int, default=None, help="base seed; prompt i uses seed + i")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="k; 0 decodes without speculation (default: 4)")
-    p.add_argument("--speculation", choices=["fixed", "adaptive"], default="fixed")
-    p.add_argument("--max-batch-size", type=int, default=8, help="B: sequences per step (default: 8)")
-    p.add_argument("--pool-size", type=int, default=None, help="W: live sequences in the pool (default: 4 x B)")
+    p.add_argument("--chat-template", action="store_true",
+                   help="text prompts as one user turn through the tokenizer's chat template (as /v1/chat/completions)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -70,15 +61,6 @@ def read_prompts(path: Path) -> list[str | list[int]]:
     return prompts
 
 
-def resolve_models(args) -> tuple[Path, Path | None]:
-    if args.model is not None:
-        return args.model, args.draft_model
-    from exspec.demo.build import ensure_demo_pair
-
-    target, draft = ensure_demo_pair(progress=True)
-    return target, (args.draft_model or draft)
-
-
 def write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
     """Write all rows or nothing: a temp file in the same directory, renamed over the target."""
     path = path.resolve()
@@ -95,42 +77,32 @@ def write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
         raise
 
 
-def run(args) -> int:
-    from exspec.engine import EngineConfig, SamplingParams, SpecEngine
-    from exspec.scheduler import SchedulerConfig, generate_offline
+def encode(tokenizer, prompt: str | list[int], chat_template: bool) -> list[int]:
+    """A text prompt's token ids (as /v1/completions encodes it, or as one chat user turn); ids pass through."""
+    if not isinstance(prompt, str):
+        return prompt
+    if chat_template:
+        if not getattr(tokenizer, "chat_template", None):
+            raise InputError("--chat-template asked for, but the tokenizer has no chat template")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(prompt))
 
+
+def run(args) -> int:
+    from exspec.engine import SamplingParams, SpecEngine
+    from exspec.scheduler import generate_offline
+
+    settings = settings_from_args(args, ENGINE_FIELDS)
     top_k = 0 if args.top_k == -1 else args.top_k
     base = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=top_k)
-    if args.num_speculative_tokens < 0:
-        raise InputError(f"--num-speculative-tokens must be >= 0, got {args.num_speculative_tokens}")
-    if args.max_batch_size < 1:
-        raise InputError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
     if not args.output.resolve().parent.is_dir():
         raise InputError(f"output directory {str(args.output.resolve().parent)!r} does not exist")
     raw_prompts = read_prompts(args.input)
-    pool = args.pool_size or 4 * args.max_batch_size
-    k = args.num_speculative_tokens
-    target, draft = resolve_models(args)
-    if k == 0:
-        draft = None
-    cfg = EngineConfig(
-        model=target,
-        draft_model=draft,
-        device=args.device,
-        dtype=args.dtype,
-        max_num_seqs=pool,
-        max_model_len=args.max_model_len,
-        max_num_speculative_tokens=max(k, 0),
-    )
-    sched = SchedulerConfig(
-        max_batch_size=args.max_batch_size,
-        pool_size=pool,
-        max_waiting=10**9,
-        num_speculative_tokens=k,
-        speculation=args.speculation,
-    )
-    engine = SpecEngine(cfg)
-    prompts = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in raw_prompts]
+    target, draft, _ = resolve_models(settings)
+    cfg = resolve(settings, target, draft, max_waiting=10**9)
+    engine = SpecEngine(cfg.engine)
+    prompts = [encode(engine.tokenizer, p, args.chat_template) for p in raw_prompts]
     for i, p in enumerate(prompts):
         try:
             engine.check_prompt(p)
@@ -140,18 +112,20 @@ def run(args) -> int:
         SamplingParams(**{**base.__dict__, "seed": None if args.seed is None else args.seed + i})
         for i in range(len(prompts))
     ]
-    results, summary = generate_offline(engine, prompts, params, sched, progress=not args.no_progress)
+    results, summary = generate_offline(engine, prompts, params, cfg.scheduler, progress=not args.no_progress)
     rows = [
         {"index": r.index, "text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason}
         for r in results
     ]
     write_jsonl_atomic(args.output, rows)
+    sc = cfg.scheduler
     print(
         f"exspec generate: {len(results)} prompts, {summary.num_generated_tokens} tokens in "
         f"{summary.wall_seconds:.2f} s: {summary.tokens_per_second:.1f} tokens/s; "
         f"mean acceptance length {summary.mean_acceptance_length:.2f}; "
         f"acceptance rate {summary.acceptance_rate:.1%}; "
-        f"grouped steps {summary.grouped_fraction:.1%} (k={k}, B={args.max_batch_size}, W={pool})",
+        f"grouped steps {summary.grouped_fraction:.1%} (k={cfg.engine.max_num_speculative_tokens if cfg.engine.draft_model else 0} "
+        f"{sc.speculation}, B={sc.max_batch_size}, W={sc.pool_size}, max_model_len={cfg.engine.max_model_len})",
         file=sys.stderr,
     )
     return 0

@@ -17,7 +17,10 @@ COMMANDS = {
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """All subcommands are listed; only `command`'s module is imported to add its flags."""
+    from exspec import __version__
+
     parser = argparse.ArgumentParser(prog="exspec", description="Batched speculative decoding done right.")
+    parser.add_argument("--version", action="version", version=f"exspec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

@@ -2,6 +2,7 @@
 `exspec bench`, the load test and the demo-pair builder: SpecBench, MT-Bench (`turns[0]`) and random.
 
 Kept free of torch and transformers: a tokenizer is passed in by the caller when token ids are needed.
+`exspec.data.reference` holds the greedy reference file format shared by the load test and `exspec bench`.
 """
 
 from __future__ import annotations

@@ -665,8 +665,10 @@ def measure_agreement(target_dir: Path, draft_dir: Path, num_prompts: int = 48, 
 def measure_acceptance(target_dir: Path, draft_dir: Path, num_prompts: int = 48, max_tokens: int = 64,
                        k: int = 4, batch_size: int = 8) -> dict:
     """The engine's greedy mean acceptance length at k: mean over steps and sequences of (accepted + 1)."""
-    from exspec.engine import EngineConfig, PrefillBatch, PrefillChunk, SamplingParams, SpecEngine, StepBatch
     from transformers import AutoTokenizer
+
+    from exspec.engine import EngineConfig, SamplingParams, SpecEngine
+    from exspec.scheduler import SchedulerConfig, generate_offline
 
     tok = AutoTokenizer.from_pretrained(target_dir)
     prompts = [_chat_ids(tok, text) for _, text in spec_bench_prompts(num_prompts)]
@@ -675,22 +677,11 @@ def measure_acceptance(target_dir: Path, draft_dir: Path, num_prompts: int = 48,
         max_model_len=max(map(len, prompts)) + max_tokens + 1, max_num_speculative_tokens=k,
     )
     engine = SpecEngine(cfg)
-    emitted = steps = 0
-    outputs = []
     t0 = time.perf_counter()
-    for i in range(0, len(prompts), batch_size):
-        seqs = [engine.add(p, SamplingParams(max_tokens=max_tokens)) for p in prompts[i : i + batch_size]]
-        engine.prefill(PrefillBatch(tuple(PrefillChunk(s, 0, s.prompt_len) for s in seqs)))
-        live = [s for s in seqs if not s.finished]
-        while live:
-            out = engine.step(StepBatch(tuple(live), k))
-            for o in out.outputs:
-                emitted += o.num_accepted + 1
-                steps += 1
-            live = [s for s in live if not s.finished]
-        outputs += [s.output_token_ids for s in seqs]
-        for s in seqs:
-            engine.free(s)
+    sched = SchedulerConfig(max_batch_size=batch_size, pool_size=batch_size, num_speculative_tokens=k, speculation="fixed")
+    results, summary = generate_offline(engine, prompts, [SamplingParams(max_tokens=max_tokens)] * len(prompts), sched)
+    emitted, steps = summary.num_decode_tokens, summary.num_row_steps
+    outputs = [r.token_ids for r in results]
     return {
         "mean_acceptance_length": emitted / max(steps, 1),
         "sequence_steps": steps,

@@ -1,12 +1,12 @@
-"""exspec engine: model loading, KV slot pools, draft/verify/accept, sampling."""
+"""exspec engine: model loading, KV slot pools, draft/verify/accept, sampling. Knows no policy: the scheduler
+says which sequence ids run and with how many draft tokens."""
 
 from exspec.engine.config import EngineConfig
 from exspec.engine.engine import SpecEngine
-from exspec.errors import CapacityError, ExspecError, InvalidRequestError, ModelLoadError
 from exspec.engine.loader import ModelPair, load_model_pair
 from exspec.engine.params import SamplingParams
-from exspec.engine.sequence import Sequence
 from exspec.engine.types import PrefillBatch, PrefillChunk, SeqOutput, StepBatch, StepOutput
+from exspec.errors import CapacityError, ExspecError, InvalidRequestError, ModelLoadError
 
 __all__ = [
     "CapacityError",
@@ -19,7 +19,6 @@ __all__ = [
     "PrefillChunk",
     "SamplingParams",
     "SeqOutput",
-    "Sequence",
     "SpecEngine",
     "StepBatch",
     "StepOutput",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from exspec.errors import ExspecError
+from exspec.errors import ConfigError
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -31,24 +31,25 @@ class EngineConfig:
     max_model_len: int = 2048  # prompt + generated tokens per sequence
     max_num_speculative_tokens: int = 8  # largest k a step may use (sizes the pool's slack)
     attn_implementation: str = "sdpa"  # "sdpa" or "eager"
+    force_mixed: bool = False  # benchmarks only: every step through the mixed-length path, even equal lengths
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise ExspecError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
-            raise ExspecError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+            raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ExspecError(f"device {self.device!r} asked for, but torch sees no CUDA device")
+            raise ConfigError(f"device {self.device!r} asked for, but torch sees no CUDA device")
         if self.max_num_seqs < 1:
-            raise ExspecError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len < 2:
-            raise ExspecError(f"max_model_len must be >= 2, got {self.max_model_len}")
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not 0 <= self.max_num_speculative_tokens <= 32:
-            raise ExspecError(
+            raise ConfigError(
                 f"max_num_speculative_tokens must be in [0, 32], got {self.max_num_speculative_tokens}"
             )
         if self.attn_implementation not in ("sdpa", "eager"):
-            raise ExspecError(f"attn_implementation must be 'sdpa' or 'eager', got {self.attn_implementation!r}")
+            raise ConfigError(f"attn_implementation must be 'sdpa' or 'eager', got {self.attn_implementation!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

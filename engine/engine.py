@@ -1,15 +1,14 @@
-"""The speculative decoding engine: admit sequences, prefill them, run speculative steps, free them."""
+"""The speculative decoding engine: admit sequences by id, prefill them, run speculative steps, free them."""
 
 from __future__ import annotations
 
-import itertools
 import random
 import time
+from dataclasses import dataclass
 
 import torch
 
 from exspec.engine.config import EngineConfig
-from exspec.errors import ExspecError, InvalidRequestError
 from exspec.engine.kv_cache import SlotAllocator
 from exspec.engine.loader import ModelPair, load_model_pair
 from exspec.engine.params import SamplingParams
@@ -23,8 +22,9 @@ from exspec.engine.sampling import (
     process_probs,
     sample_from_probs,
 )
-from exspec.engine.sequence import Sequence
+from exspec.engine.sequence import SeqState
 from exspec.engine.types import PrefillBatch, SeqOutput, StepBatch, StepOutput
+from exspec.errors import InvalidRequestError
 
 
 class _Clock:
@@ -44,33 +44,53 @@ class _Clock:
         return start.elapsed_time(end) / 1000.0 if self.cuda else end - start
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """One speculative step, resolved once from a `StepBatch`: every phase reads it, none changes it."""
+
+    seq_ids: tuple[int, ...]  # [B] the batch's sequences, in order
+    states: tuple[SeqState, ...]  # [B] their engine state (host)
+    lengths: tuple[int, ...]  # [B] each row's length, pending token included (host)
+    slots: tuple[int, ...]  # [B] each row's KV slot (host)
+    row_k: tuple[int, ...]  # [B] each row's draft budget: 0 for opted-out rows, less near max_model_len
+    k: int  # draft tokens proposed per row: max(row_k); the batch stays rectangular
+    grouped: bool  # every length equal (and not forced mixed): shared positions, one causal mask
+    generated: tuple[int, ...]  # [B] tokens each row has generated so far (min_tokens)
+    slot_t: torch.Tensor  # [B] long
+    len_t: torch.Tensor  # [B] long
+    out_pos: torch.Tensor  # [B, k + 1] long: the position each emitted token lands at
+    allow: torch.Tensor  # [B, k] bool: draft column j of row b may be accepted (j < row_k[b])
+    rows: RowParams  # per-row sampling parameters
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: torch.Tensor  # [B, k] long: proposed tokens d_1..d_k
+    probs: torch.Tensor | None  # [B, k, V]: the distributions q they were drawn from; None if all greedy
+
+
 class SpecEngine:
     """Batched speculative decoding over per-sequence KV slots.
 
-    The engine owns every `Sequence` it admits: its slot, tokens and cache bounds. A scheduler picks
-    which sequences run in each step and hands them over as a `StepBatch` / `PrefillBatch`.
-    Each step does exactly one device-to-host transfer (the emitted tokens and acceptance counts).
+    The scheduler names sequences by id: `add(seq_id, prompt, params)`, then `prefill` and `step` batches of
+    ids, then `free(seq_id)`. Each call does exactly one device-to-host transfer (the sampled tokens and
+    acceptance counts). The engine never decides that a sequence is finished: it samples, the scheduler cuts.
     """
 
     def __init__(self, config: EngineConfig, pair: ModelPair | None = None, seed: int = 0) -> None:
         self.config = config
         self.pair = pair if pair is not None else load_model_pair(config)
         self.tokenizer = self.pair.tokenizer
+        self.model_name = self.pair.name
+        self.eos_token_ids = self.pair.eos_token_ids
+        self.vocab_size = self.pair.vocab_size
         slots, self.max_model_len = config.max_num_seqs, config.max_model_len
         self.max_k = config.max_num_speculative_tokens if self.pair.draft is not None else 0
-        # Slack past max_model_len: a verify step writes k + 1 positions from the last token on.
+        # Slack past max_model_len: a rectangular verify writes k + 1 columns from each row's pending token,
+        # and rows near the end of their context fill the columns past their budget with padding.
         pool_len = self.max_model_len + self.max_k + 1
-        for model in (self.pair.target, self.pair.draft):
-            limit = getattr(model.config, "n_positions", None) if model is not None else None  # learned positions
-            if limit is not None and pool_len > limit:
-                raise ExspecError(
-                    f"max_model_len ({self.max_model_len}) + k ({self.max_k}) + 1 exceeds the model's "
-                    f"{limit} learned positions: lower max_model_len"
-                )
-        vocab = self.pair.vocab_size
-        self.vocab_size = vocab
-        self.target = ModelRunner(self.pair.target, slots, pool_len, vocab)
-        self.draft = ModelRunner(self.pair.draft, slots, pool_len, vocab) if self.pair.draft is not None else None
+        self.target = ModelRunner(self.pair.target, slots, pool_len, self.vocab_size)
+        self.draft = ModelRunner(self.pair.draft, slots, pool_len, self.vocab_size) if self.pair.draft is not None else None
         self.device = self.target.device
         self.allocator = SlotAllocator(slots)
         dev = self.device
@@ -79,9 +99,7 @@ class SpecEngine:
         self.top_p = torch.ones(slots, device=dev)  # [slots]
         self.top_k = torch.zeros(slots, dtype=torch.long, device=dev)  # [slots]
         self.seeds = torch.zeros(slots, dtype=torch.long, device=dev)  # [slots]
-        self.eos_token_ids = self.pair.eos_token_ids
-        self._eos_set = frozenset(self.eos_token_ids)
-        self._ids = itertools.count()
+        self._seqs: dict[int, SeqState] = {}
         self._seed_rng = random.Random(seed)
         self._clock = _Clock(dev)
         self._warm_up()
@@ -114,32 +132,47 @@ class SpecEngine:
         if bad:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
 
-    def add(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
-        """Admit a sequence: take a slot (CapacityError when none is free). Prefill comes later."""
-        self.check_prompt(prompt_token_ids)
-        slot = self.allocator.allocate()
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        seq = Sequence(
-            seq_id=next(self._ids),
-            token_ids=list(prompt_token_ids),
-            prompt_len=len(prompt_token_ids),
-            params=params,
-            seed=seed,
-            slot=slot,
-        )
-        n = seq.prompt_len
-        self.token_buf[slot, :n] = to_device(prompt_token_ids, self.device)
-        self.temperature[slot] = params.temperature
-        self.top_p[slot] = params.top_p
-        self.top_k[slot] = params.top_k
-        self.seeds[slot] = seed
-        return seq
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise InvalidRequestError if a parameter cannot reach a tensor of this engine."""
+        if params.top_k > self.vocab_size:
+            raise InvalidRequestError(f"top_k must be in [0, {self.vocab_size}] (0: off), got {params.top_k}")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
 
-    def free(self, seq: Sequence) -> None:
-        """Give the sequence's slot back. Its stale K/V is simply overwritten by the next owner."""
-        if seq.slot >= 0:
-            self.allocator.free(seq.slot)
-            seq.slot = -1
+    def add(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Admit a sequence under `seq_id`: take a slot (CapacityError when none is free). Prefill comes later.
+        Either the sequence is admitted whole or nothing changes."""
+        if seq_id in self._seqs:
+            raise InvalidRequestError(f"sequence id {seq_id} is already in use")
+        self.check_prompt(prompt_token_ids)
+        self.check_params(params)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        slot = self.allocator.allocate()
+        try:
+            n = len(prompt_token_ids)
+            self.token_buf[slot, :n] = to_device(prompt_token_ids, self.device)
+            self.temperature[slot] = params.temperature
+            self.top_p[slot] = params.top_p
+            self.top_k[slot] = params.top_k
+            self.seeds[slot] = seed
+        except BaseException:
+            self.allocator.free(slot)
+            raise
+        self._seqs[seq_id] = SeqState(slot=slot, prompt_len=n, params=params, seed=seed, length=n)
+
+    def free(self, seq_id: int) -> None:
+        """Give the sequence's slot back (a no-op for an unknown id). Its stale K/V is simply overwritten by
+        the next owner."""
+        state = self._seqs.pop(seq_id, None)
+        if state is not None:
+            self.allocator.free(state.slot)
+
+    def _states(self, seq_ids) -> list[SeqState]:
+        try:
+            return [self._seqs[i] for i in seq_ids]
+        except KeyError as e:
+            raise InvalidRequestError(f"unknown sequence id {e.args[0]}") from None
 
     # ------------------------------------------------------------------ prefill
 
@@ -148,10 +181,16 @@ class SpecEngine:
         """Feed prompt chunks into both caches (one batched forward each); sample the first token of
         every sequence whose prompt completes."""
         chunks = batch.chunks
-        seqs = [c.seq for c in chunks]
+        states = self._states(c.seq_id for c in chunks)
+        for c, st in zip(chunks, states):
+            if not (c.start == st.num_prefilled and c.start < c.end <= st.prompt_len):
+                raise InvalidRequestError(
+                    f"sequence {c.seq_id}: chunk [{c.start}, {c.end}) does not continue its prefill "
+                    f"({st.num_prefilled} of {st.prompt_len} prompt tokens done)"
+                )
         starts = [c.start for c in chunks]
         widths = [c.end - c.start for c in chunks]
-        slots = [s.slot for s in seqs]
+        slots = [st.slot for st in states]
         q_len = max(widths)
         dev = self.device
         slot_t = to_device(slots, dev)
@@ -163,27 +202,25 @@ class SpecEngine:
             self.draft.extend(tokens, starts, slots, select=last)
         t1 = self._clock.mark()
         logits = self.target.extend(tokens, starts, slots, select=last)  # [B, 1, V]
-        rows = self._row_params(seqs, slot_t)
-        positions = to_device([s.prompt_len for s in seqs], dev)[:, None]  # [B, 1]
-        logits = self._suppress_stops(logits, seqs, [0] * len(seqs))
+        rows = self._row_params(states, slot_t)
+        positions = to_device([st.prompt_len for st in states], dev)[:, None]  # [B, 1]
+        logits = self._suppress_stops(logits, states, [0] * len(states))
         first = self._sample(logits, rows, positions)[:, 0]  # [B]
         self.token_buf[slot_t, positions[:, 0]] = first
         t2 = self._clock.mark()
         first_ids = first.tolist()  # the one host sync
         outputs = []
-        for chunk, tok in zip(chunks, first_ids):
-            seq = chunk.seq
-            seq.num_prefilled = chunk.end
-            seq.draft_len = chunk.end if self.draft is not None else 0
-            if chunk.end < seq.prompt_len:
-                outputs.append(SeqOutput(seq.seq_id, (), 0, 0, None))
-                continue
-            new = self._append(seq, [tok])
-            outputs.append(SeqOutput(seq.seq_id, new, 0, 0, seq.finish_reason))
+        for chunk, st, tok in zip(chunks, states, first_ids):
+            st.num_prefilled = chunk.end
+            st.draft_len = chunk.end if self.draft is not None else 0
+            done = chunk.end == st.prompt_len
+            if done:
+                st.length += 1
+            outputs.append(SeqOutput(chunk.seq_id, (tok,) if done else (), 0, 0))
         return StepOutput(
             outputs=tuple(outputs),
             kind="prefill",
-            batch_size=len(seqs),
+            batch_size=len(states),
             num_draft_tokens=0,
             accepted_per_position=(),
             draft_s=self._clock.seconds(t0, t1),
@@ -194,105 +231,141 @@ class SpecEngine:
 
     @torch.inference_mode()
     def step(self, batch: StepBatch) -> StepOutput:
-        """One speculative step over any set of prefilled sequences.
+        """One speculative step over any set of prefilled sequences: plan, draft, verify, accept, commit.
 
-        Draft k tokens per row (after catching the draft's cache up), verify all k + 1 positions with one
-        target forward, accept, emit a + 1 tokens per row. Preserves, per row, exactly the output the target
-        alone would give (greedy) or its distribution (sampling), whatever else is in the batch.
+        Preserves, per row, exactly the output the target alone would give (greedy) or its distribution
+        (sampling), whatever else is in the batch.
         """
-        seqs = list(batch.seqs)
-        dev = self.device
-        allow_list = [s.params.use_speculation for s in seqs]
-        k = batch.num_draft_tokens if (self.draft is not None and any(allow_list)) else 0
-        k = min(k, self.max_k)
-        lengths = [s.length for s in seqs]
-        slots = [s.slot for s in seqs]
-        grouped = not batch.force_mixed and all(n == lengths[0] for n in lengths)
-        slot_t = to_device(slots, dev)  # [B]
-        len_t = to_device(lengths, dev)  # [B]
-        out_pos = len_t[:, None] + torch.arange(k + 1, device=dev)  # [B, k + 1]: where each emitted token lands
-        rows = self._row_params(seqs, slot_t)
-        generated = [s.num_generated for s in seqs]
-
+        plan = self._plan(batch)
         t0 = self._clock.mark()
-        if k > 0:
-            draft_tokens, draft_probs = self._draft(seqs, lengths, len_t, slots, slot_t, k, grouped, rows, generated)
+        draft = self._propose(plan) if plan.k > 0 else None
         t1 = self._clock.mark()
-        last_tok = self.token_buf[slot_t, len_t - 1][:, None]  # [B, 1]
-        verify_in = torch.cat([last_tok, draft_tokens], dim=1) if k > 0 else last_tok  # [B, k + 1]
-        starts = [n - 1 for n in lengths]
-        logits = self.target.extend(verify_in, starts, slots, force_per_row=not grouped)  # [B, k + 1, V]
-        logits = self._suppress_stops(logits, seqs, generated)
-        allow = to_device(allow_list, dev, torch.bool)
-        if k == 0:
-            tokens = self._sample(logits, rows, out_pos)  # [B, 1]
-            num_acc = torch.zeros(len(seqs), dtype=torch.long, device=dev)
+        logits = self._verify(plan, draft)  # [B, k + 1, V]
+        tokens, num_accepted = self._accept(plan, draft, logits)  # [B, k + 1], [B]
+        t2 = self._clock.mark()
+        return self._commit(plan, tokens, num_accepted, self._clock.seconds(t0, t1), self._clock.seconds(t1, t2))
+
+    def _plan(self, batch: StepBatch) -> StepPlan:
+        """Resolve the batch: each row's draft budget, the batch shape, and the per-step device tensors."""
+        states = self._states(batch.seq_ids)
+        for sid, st in zip(batch.seq_ids, states):
+            if st.num_prefilled < st.prompt_len or st.length >= self.max_model_len:
+                raise InvalidRequestError(
+                    f"sequence {sid} cannot step: prefilled {st.num_prefilled}/{st.prompt_len}, "
+                    f"length {st.length} of at most {self.max_model_len}"
+                )
+        k = min(batch.num_draft_tokens, self.max_k)
+        lengths = tuple(st.length for st in states)
+        # A row emits at most row_k + 1 tokens, so it never passes max_model_len.
+        row_k = tuple(
+            min(k, self.max_model_len - 1 - n) if st.params.use_speculation else 0 for st, n in zip(states, lengths)
+        )
+        k = max(row_k)
+        dev = self.device
+        slots = tuple(st.slot for st in states)
+        slot_t = to_device(list(slots), dev)  # [B]
+        len_t = to_device(list(lengths), dev)  # [B]
+        cols = torch.arange(k + 1, device=dev)  # [k + 1]
+        allow = cols[None, :k] < to_device(list(row_k), dev)[:, None]  # [B, k]
+        return StepPlan(
+            seq_ids=tuple(batch.seq_ids),
+            states=tuple(states),
+            lengths=lengths,
+            slots=slots,
+            row_k=row_k,
+            k=k,
+            grouped=not self.config.force_mixed and all(n == lengths[0] for n in lengths),
+            generated=tuple(st.num_generated for st in states),
+            slot_t=slot_t,
+            len_t=len_t,
+            out_pos=len_t[:, None] + cols,  # [B, k + 1]
+            allow=allow,
+            rows=self._row_params(states, slot_t),
+        )
+
+    def _propose(self, plan: StepPlan) -> Draft:
+        """Catch the draft cache up to the pending token, then propose k tokens autoregressively."""
+        dev = self.device
+        mixed = not plan.grouped
+        width = max(n - st.draft_len for n, st in zip(plan.lengths, plan.states))  # 1 normally, 2 after a full accept
+        # Re-feeding an already cached position rewrites the same K/V, so every row can start `width`
+        # back from its pending token; only rows shorter than `width` start at 0.
+        starts = [max(n - width, 0) for n in plan.lengths]
+        cols = to_device(starts, dev)[:, None] + torch.arange(width, device=dev)  # [B, W]
+        tokens = self.token_buf[plan.slot_t[:, None], cols]  # [B, W]
+        last = to_device([n - 1 - s for n, s in zip(plan.lengths, starts)], dev)[:, None]  # [B, 1]
+        logits = self.draft.extend(tokens, starts, list(plan.slots), select=last, force_per_row=mixed)  # [B, 1, V]
+        proposed, probs = [], []
+        for i in range(plan.k):
+            logits = self._suppress_stops(logits, plan.states, [g + i for g in plan.generated])
+            pos = plan.len_t[:, None] + i  # [B, 1]: where draft token i + 1 would land
+            if plan.rows.any_sampling:
+                q = process_probs(logits, plan.rows)  # [B, 1, V]
+                tok = sample_from_probs(q, plan.rows.seeds, pos, STREAM_DRAFT)  # [B, 1]
+                probs.append(q)
+            else:
+                tok = logits.argmax(-1)  # [B, 1]
+            proposed.append(tok)
+            if i < plan.k - 1:
+                starts_i = [n + i for n in plan.lengths]
+                logits = self.draft.extend(tok, starts_i, list(plan.slots), force_per_row=mixed)  # [B, 1, V]
+        return Draft(torch.cat(proposed, dim=1), torch.cat(probs, dim=1) if probs else None)
+
+    def _verify(self, plan: StepPlan, draft: Draft | None) -> torch.Tensor:
+        """One target forward over [pending, d_1 .. d_k] per row: logits [B, k + 1, V]."""
+        last_tok = self.token_buf[plan.slot_t, plan.len_t - 1][:, None]  # [B, 1]
+        verify_in = torch.cat([last_tok, draft.tokens], dim=1) if draft is not None else last_tok  # [B, k + 1]
+        starts = [n - 1 for n in plan.lengths]
+        logits = self.target.extend(verify_in, starts, list(plan.slots), force_per_row=not plan.grouped)
+        return self._suppress_stops(logits, plan.states, list(plan.generated))
+
+    def _accept(self, plan: StepPlan, draft: Draft | None, logits: torch.Tensor):
+        """Accept drafts (Leviathan et al. 2023; see `sampling.accept` for the terms) and write the emitted
+        tokens into token_buf. returns tokens [B, k + 1] (the first a + 1 are the output), num_accepted [B]."""
+        rows = plan.rows
+        if draft is None:
+            tokens = self._sample(logits, rows, plan.out_pos)  # [B, 1]
+            num_accepted = torch.zeros(len(plan.seq_ids), dtype=torch.long, device=self.device)
         elif not rows.any_sampling:
-            tokens, num_acc = accept_greedy(draft_tokens, logits, allow)
+            tokens, num_accepted = accept_greedy(draft.tokens, logits, plan.allow)
         else:
             target_probs = process_probs(logits, rows)  # [B, k + 1, V]
-            tokens, num_acc = accept(draft_tokens, draft_probs, target_probs, allow, rows.seeds, out_pos)
-        cols = out_pos.clamp(max=self.token_buf.shape[1] - 1)
-        self.token_buf[slot_t[:, None], cols] = tokens
-        t2 = self._clock.mark()
-        packed = torch.cat([tokens, num_acc[:, None]], dim=1).tolist()  # the one host sync: [B, k + 2]
+            tokens, num_accepted = accept(draft.tokens, draft.probs, target_probs, plan.allow, rows.seeds, plan.out_pos)
+        cols = plan.out_pos.clamp(max=self.token_buf.shape[1] - 1)
+        self.token_buf[plan.slot_t[:, None], cols] = tokens
+        return tokens, num_accepted
 
+    def _commit(self, plan: StepPlan, tokens, num_accepted, draft_s: float, verify_s: float) -> StepOutput:
+        """The one host sync; advance each row's lengths by what it accepted. Rollback of rejected drafts is
+        not advancing: nothing is copied."""
+        packed = torch.cat([tokens, num_accepted[:, None]], dim=1).tolist()  # [B, k + 2]
+        k = plan.k
         outputs = []
         per_pos = [0] * k
-        for seq, row, allowed in zip(seqs, packed, allow_list):
+        for sid, st, n, row, row_k in zip(plan.seq_ids, plan.states, plan.lengths, packed, plan.row_k):
             a = row[-1]
             for i in range(a):
                 per_pos[i] += 1
             if k > 0:
                 # Draft KV is valid through the accepted drafts it was fed (it is never fed d_k).
-                seq.draft_len = seq.length + min(k - 1, a)
-            new = self._append(seq, row[: a + 1])
-            outputs.append(SeqOutput(seq.seq_id, new, k if allowed else 0, a, seq.finish_reason))
+                st.draft_len = n + min(k - 1, a)
+            st.length = n + a + 1
+            outputs.append(SeqOutput(sid, tuple(row[: a + 1]), row_k, a))
         return StepOutput(
             outputs=tuple(outputs),
-            kind="grouped" if grouped else "mixed",
-            batch_size=len(seqs),
+            kind="grouped" if plan.grouped else "mixed",
+            batch_size=len(outputs),
             num_draft_tokens=k,
             accepted_per_position=tuple(per_pos),
-            draft_s=self._clock.seconds(t0, t1),
-            verify_s=self._clock.seconds(t1, t2),
+            draft_s=draft_s,
+            verify_s=verify_s,
         )
-
-    def _draft(self, seqs, lengths, len_t, slots, slot_t, k, grouped, rows: RowParams, generated):
-        """Catch the draft cache up to the pending token, then propose k tokens autoregressively.
-
-        returns draft_tokens [B, k] long, draft_probs [B, k, V] (None when every row is greedy).
-        """
-        dev = self.device
-        width = max(n - s.draft_len for n, s in zip(lengths, seqs))  # 1 normally, 2 after a full accept
-        # Re-feeding an already cached position rewrites the same K/V, so every row can start `width`
-        # back from its pending token; only rows shorter than `width` start at 0.
-        starts = [max(n - width, 0) for n in lengths]
-        cols = to_device(starts, dev)[:, None] + torch.arange(width, device=dev)  # [B, W]
-        tokens = self.token_buf[slot_t[:, None], cols]  # [B, W]
-        last = to_device([n - 1 - s for n, s in zip(lengths, starts)], dev)[:, None]  # [B, 1]
-        logits = self.draft.extend(tokens, starts, slots, select=last, force_per_row=not grouped)  # [B, 1, V]
-        proposed, probs = [], []
-        for i in range(k):
-            logits = self._suppress_stops(logits, seqs, [g + i for g in generated])
-            pos = len_t[:, None] + i  # [B, 1]: where draft token i + 1 would land
-            if rows.any_sampling:
-                q = process_probs(logits, rows)  # [B, 1, V]
-                tok = sample_from_probs(q, rows.seeds, pos, STREAM_DRAFT)  # [B, 1]
-                probs.append(q)
-            else:
-                tok = logits.argmax(-1)  # [B, 1]
-            proposed.append(tok)
-            if i < k - 1:
-                logits = self.draft.extend(tok, [n + i for n in lengths], slots, force_per_row=not grouped)
-        draft_tokens = torch.cat(proposed, dim=1)  # [B, k]
-        return draft_tokens, (torch.cat(probs, dim=1) if probs else None)
 
     # ------------------------------------------------------------------ helpers
 
-    def _row_params(self, seqs: list[Sequence], slot_t: torch.Tensor) -> RowParams:
-        any_sampling = any(not s.params.greedy for s in seqs)
-        any_filter = any((not s.params.greedy) and (s.params.top_k > 0 or s.params.top_p < 1.0) for s in seqs)
+    def _row_params(self, states, slot_t: torch.Tensor) -> RowParams:
+        any_sampling = any(not st.params.greedy for st in states)
+        any_filter = any((not st.params.greedy) and (st.params.top_k > 0 or st.params.top_p < 1.0) for st in states)
         return RowParams(
             temperature=self.temperature[slot_t],
             top_p=self.top_p[slot_t],
@@ -308,43 +381,25 @@ class SpecEngine:
             return logits.argmax(-1)
         return sample_from_probs(process_probs(logits, rows), rows.seeds, positions, STREAM_TARGET)
 
-    def _suppress_stops(self, logits: torch.Tensor, seqs: list[Sequence], generated: list[int]) -> torch.Tensor:
+    def _suppress_stops(self, logits: torch.Tensor, states, generated: list[int]) -> torch.Tensor:
         """min_tokens: EOS and stop ids get zero probability while fewer than min_tokens are generated.
 
         logits: [B, Q, V]; column j of row b produces generated token number generated[b] + j.
         """
-        active = [s.params.min_tokens > g for s, g in zip(seqs, generated)]
+        active = [st.params.min_tokens > g for st, g in zip(states, generated)]
         if not any(active):
             return logits
         batch, q_len, vocab = logits.shape
         banned = torch.zeros(batch, vocab + 1, dtype=torch.bool)  # built on the host: rare path
-        for b, (seq, on) in enumerate(zip(seqs, active)):
+        for b, (st, on) in enumerate(zip(states, active)):
             if on:
-                ids = [t for t in (*self.eos_token_ids, *seq.params.stop_token_ids) if t < vocab]
+                ids = [t for t in (*self.eos_token_ids, *st.params.stop_token_ids) if t < vocab]
                 banned[b, ids] = True
         dev = logits.device
-        need = to_device([s.params.min_tokens - g for s, g in zip(seqs, generated)], dev)  # [B]
+        need = to_device([st.params.min_tokens - g for st, g in zip(states, generated)], dev)  # [B]
         cols_on = torch.arange(q_len, device=dev)[None, :] < need[:, None]  # [B, Q]
         mask = cols_on[:, :, None] & banned[:, None, :vocab].to(dev, non_blocking=True)  # [B, Q, V]
         return logits.masked_fill(mask, float("-inf"))
-
-    def _append(self, seq: Sequence, tokens: list[int]) -> tuple[int, ...]:
-        """Append emitted tokens, stopping at EOS / stop ids / max_tokens / max_model_len; nothing after
-        the stopping token is kept."""
-        p = seq.params
-        room = min(p.max_tokens - seq.num_generated, self.max_model_len - seq.length)
-        kept: list[int] = []
-        for tok in tokens[: max(room, 0)]:
-            kept.append(tok)
-            if (tok in self._eos_set and not p.ignore_eos) or tok in p.stop_token_ids:
-                if seq.num_generated + len(kept) >= p.min_tokens:
-                    seq.finish_reason = "stop"
-                    seq.stop_token_id = tok
-                    break
-        seq.token_ids.extend(kept)
-        if seq.finish_reason is None and (seq.num_generated >= p.max_tokens or seq.length >= self.max_model_len):
-            seq.finish_reason = "length"
-        return tuple(kept)
 
     def _warm_up(self) -> None:
         """Allocate both pools and run each model once, so the first request pays no set-up cost."""

@@ -43,6 +43,10 @@ class ModelRunner:
         self.float_mask = self.config._attn_implementation == "eager"  # eager adds the mask to the scores
         self.sliding_window = _sliding_window(self.config)
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
+        # Positions the model can embed (learned position tables): a rectangular verify pads rows near the end
+        # of their context with columns past it; those columns are clamped here for the model alone (their
+        # outputs are never used), while the cache and the mask keep the true positions.
+        self.max_position = _position_limit(self.config)
 
     @torch.inference_mode()
     def extend(
@@ -75,9 +79,10 @@ class ModelRunner:
             kv_len=kv_len,
             slot_range=_consecutive(slots),
         )
+        model_positions = positions if self.max_position is None else positions.clamp(max=self.max_position - 1)
         hidden = self.base(
             input_ids=tokens,
-            position_ids=positions.expand(batch, q_len),
+            position_ids=model_positions.expand(batch, q_len),
             attention_mask=mask,
             past_key_values=self.cache,
             use_cache=True,
@@ -101,6 +106,14 @@ class ModelRunner:
             return allowed
         zero = torch.zeros((), dtype=self.dtype, device=self.device)
         return torch.where(allowed, zero, torch.finfo(self.dtype).min)
+
+
+def _position_limit(config) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def _sliding_window(config) -> int | None:

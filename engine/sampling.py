@@ -99,7 +99,7 @@ def accept(
     draft_tokens: torch.Tensor,  # [B, k] long
     draft_probs: torch.Tensor,  # [B, k, V]: the distributions the draft tokens were sampled from (q)
     target_probs: torch.Tensor,  # [B, k + 1, V]: the target's distributions at the same positions (p)
-    allow: torch.Tensor,  # [B] bool: False for rows that opted out of speculation
+    allow: torch.Tensor,  # [B, k] bool: draft column j of row b may be accepted (False past the row's budget)
     seeds: torch.Tensor,  # [B] long
     positions: torch.Tensor,  # [B, k + 1] long: sequence position of the token each column produces
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +115,9 @@ def accept(
     - bonus token: when all k are accepted, a token drawn from p_{k+1}.
     Every step therefore emits a + 1 tokens, distributed exactly as the target alone would emit them.
     Greedy rows have one-hot p and q: a draft token is kept iff it equals the target's argmax, and the
-    correction/bonus is the target's argmax. Rows with allow=False keep no draft and draw from p itself.
+    correction/bonus is the target's argmax. A row whose draft budget is k_b < k (opted out of speculation:
+    k_b = 0; near the end of its context) has allow[b, j] = False for j >= k_b: it accepts at most k_b drafts,
+    and its token after them is drawn from p itself, exactly as a k_b-token step would draw it.
 
     returns: tokens [B, k + 1] (first a+1 are the output), num_accepted [B] long. No host sync.
     """
@@ -123,9 +125,9 @@ def accept(
     p_d = target_probs[:, :k].gather(-1, draft_tokens[..., None])[..., 0]  # [B, k]
     q_d = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]  # [B, k]
     u = uniform(seeds, positions[:, :k], STREAM_ACCEPT)  # [B, k]
-    kept = (u * q_d < p_d) & allow[:, None]  # [B, k]
+    kept = (u * q_d < p_d) & allow  # [B, k]
     num_accepted = torch.cumprod(kept.long(), dim=1).sum(dim=1)  # [B]
-    q_eff = draft_probs * allow[:, None, None]  # opted-out rows: residual is p itself
+    q_eff = draft_probs * allow[:, :, None]  # columns past a row's budget: residual is p itself
     residual = (target_probs[:, :k] - q_eff).clamp_(min=0)  # [B, k, V]
     empty = residual.sum(-1, keepdim=True) <= 0  # p == q exactly: never rejected, any valid draw will do
     residual = torch.where(empty, target_probs[:, :k], residual)
@@ -140,8 +142,8 @@ def accept(
 def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor, allow: torch.Tensor):
     """The all-greedy case of `accept` without building distributions: the output is the target's argmax.
 
-    draft_tokens: [B, k]; target_logits: [B, k + 1, V] -> tokens [B, k + 1], num_accepted [B]
+    draft_tokens: [B, k]; target_logits: [B, k + 1, V]; allow: [B, k] bool -> tokens [B, k + 1], num_accepted [B]
     """
     target_tokens = target_logits.argmax(-1)  # [B, k + 1]
-    kept = (draft_tokens == target_tokens[:, :-1]) & allow[:, None]  # [B, k]
+    kept = (draft_tokens == target_tokens[:, :-1]) & allow  # [B, k]
     return target_tokens, torch.cumprod(kept.long(), dim=1).sum(dim=1)

@@ -1,17 +1,20 @@
-"""The typed contract between a scheduler and the engine: what one step runs and what it returns."""
+"""The typed contract between a scheduler and the engine, keyed by sequence id.
+
+The scheduler names sequences by id and says what to run; the engine keeps every per-sequence detail
+(slot, lengths, cache bounds) private and answers, per id, with the tokens it sampled. The scheduler alone
+decides when a sequence stops (EOS, stop ids, max_tokens, max_model_len) and then frees it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from exspec.engine.sequence import Sequence
-
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    seq: Sequence
-    start: int  # first prompt position of the chunk (== seq.num_prefilled)
-    end: int  # one past its last position; end == seq.prompt_len completes the prompt
+    seq_id: int
+    start: int  # first prompt position of the chunk (== how much of the prompt is already prefilled)
+    end: int  # one past its last position; end == the prompt's length completes the prompt
 
 
 @dataclass(frozen=True)
@@ -21,18 +24,18 @@ class PrefillBatch:
 
 @dataclass(frozen=True)
 class StepBatch:
-    seqs: tuple[Sequence, ...]  # distinct, prefilled, unfinished sequences
-    num_draft_tokens: int  # k for this step; 0 decodes without speculation
-    force_mixed: bool = False  # run the mixed-length path even if every length is equal (benchmarks)
+    seq_ids: tuple[int, ...]  # distinct, prefilled sequences shorter than max_model_len
+    num_draft_tokens: int  # k for this step; 0 decodes without speculation. Rows near the end of the
+    # context, and rows that opted out of speculation, propose fewer (down to none)
 
 
 @dataclass(frozen=True)
 class SeqOutput:
     seq_id: int
-    new_token_ids: tuple[int, ...]  # tokens appended this step (after EOS/stop/length truncation)
+    token_ids: tuple[int, ...]  # sampled this call: a + 1 after a step; the first token when a prompt
+    # completes; () for a prompt chunk that does not complete it. Not cut at EOS or limits (the scheduler cuts)
     num_draft_tokens: int  # draft tokens proposed for this sequence this step
-    num_accepted: int  # of those, accepted by the target (before truncation)
-    finish_reason: str | None  # "stop" | "length" if the sequence finished this step
+    num_accepted: int  # of those, accepted by the target
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ HTTP only: nothing here imports the engine, the scheduler, the offline benchmark
 models (a tokenizer may be loaded to send prompts as token ids)."""
 
 from exspec.loadtest.client import RequestInput, RequestResult
-from exspec.loadtest.reference import ReferenceError, ReferenceRow, compare_with_reference, read_reference, write_reference
+from exspec.data.reference import ReferenceError, ReferenceRow, compare_with_reference, read_reference, write_reference
 from exspec.loadtest.report import format_table, summarize
 from exspec.loadtest.runner import LoadConfig, LoadTestError, run_load
 

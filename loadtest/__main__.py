@@ -4,7 +4,7 @@
         --request-rate 4 --max-tokens 128 --output result.json
 
 Prints a vLLM-style table and writes JSON keyed like vLLM's `bench serve` results. Greedy output
-equivalence needs no model here (loadtest/reference.py defines the file):
+equivalence needs no model here (`exspec.data.reference` defines the file):
 
     # record the target alone: a server started with --num-speculative-tokens 0
     python -m exspec.loadtest --tokenizer DIR --num-prompts 32 --write-reference ref.jsonl
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from exspec.loadtest.client import RequestInput
 from exspec.data import DatasetError, encode_prompts, load_questions, random_prompts
-from exspec.loadtest.reference import (
+from exspec.data.reference import (
     ReferenceError,
     ReferenceRow,
     compare_with_reference,

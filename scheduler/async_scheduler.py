@@ -90,6 +90,29 @@ class AsyncScheduler:
         """Admitted to the pool: prefilling or decoding."""
         return self._core.num_running
 
+    # The typed interface the server uses (it never reaches into the engine).
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the step loop died, if it did (/health reports it)."""
+        return self._dead
+
     @property
     def kv_slots_used_ratio(self) -> float:
         return (self.engine.num_slots - self.engine.num_free_slots) / self.engine.num_slots
@@ -101,6 +124,9 @@ class AsyncScheduler:
         if not self.is_accepting:
             raise SchedulerClosedError(self._dead or "the server is shutting down and accepts no new requests")
         self.engine.check_prompt(prompt_token_ids)
+        check_params = getattr(self.engine, "check_params", None)
+        if check_params is not None:
+            check_params(params)
         request_id = request_id or uuid.uuid4().hex
         with self._lock:
             if request_id in self._streams:
@@ -150,19 +176,16 @@ class AsyncScheduler:
             while not self._stop.is_set():
                 deltas = self._drain_inbox()
                 if not core.has_work():
-                    self._post(deltas, None)
+                    self._post(deltas, [])
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
                 step_deltas, stats = core.step()
                 self._post(deltas + step_deltas, stats)
-        except BaseException as e:  # the step loop itself broke: fail everything, /health turns 503
+        except BaseException as e:  # the loop itself broke (requests cannot do this): fail everything at once
             log.exception("the step loop died")
-            self._dead = f"the step loop died: {type(e).__name__}: {e}"
-            try:
-                self._post(core.abort_all(), None, error=self._dead)
-            except Exception:  # pragma: no cover
-                log.exception("could not fail the remaining requests")
+            self._dead = f"the step loop died ({type(e).__name__}); the server must be restarted"
+            self._loop.call_soon_threadsafe(self._fail_all_streams, self._dead)
 
     def _drain_inbox(self) -> list[Delta]:
         deltas: list[Delta] = []
@@ -180,15 +203,19 @@ class AsyncScheduler:
             else:
                 deltas.extend(self._core.abort_all())
 
-    def _post(self, deltas: list[Delta], stats: StepStats | None, error: str | None = None) -> None:
-        if not deltas and stats is None:
+    def _post(self, deltas: list[Delta], stats: list[StepStats]) -> None:
+        if not deltas and not stats:
             return
-        outs = [out for _, out in deltas]
-        if error is not None:
-            outs = [_with_error(o, error) for o in outs]
-        self._loop.call_soon_threadsafe(self._deliver, outs, stats)
+        self._loop.call_soon_threadsafe(self._deliver, [out for _, out in deltas], stats)
 
-    def _deliver(self, outs: list[RequestOutput], stats: StepStats | None) -> None:
+    def _fail_all_streams(self, error: str) -> None:
+        """On the event loop, after the step loop died: every stream still open (queued, running, or still
+        in the inbox) gets its final delta, an error, at once."""
+        for request_id, stream in list(self._streams.items()):
+            stream._push(RequestOutput(request_id, (), "", True, "error", 0, 0, error=error))
+        self._streams.clear()
+
+    def _deliver(self, outs: list[RequestOutput], stats: list[StepStats]) -> None:
         """On the event loop: hand deltas to their streams, call step listeners."""
         for out in outs:
             stream = self._streams.get(out.request_id)
@@ -197,15 +224,9 @@ class AsyncScheduler:
             stream._push(out)
             if out.finished:
                 del self._streams[out.request_id]
-        if stats is not None:
+        for st in stats:
             for fn in self._listeners:
                 try:
-                    fn(stats)
+                    fn(st)
                 except Exception:  # a metrics bug must not stop delivery
                     log.exception("step listener failed")
-
-
-def _with_error(out: RequestOutput, error: str) -> RequestOutput:
-    from dataclasses import replace
-
-    return replace(out, finish_reason="error", error=error)

@@ -9,55 +9,63 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol
 
-from exspec.errors import ExspecError
 from exspec.engine.params import SamplingParams
-from exspec.engine.sequence import Sequence
 from exspec.engine.types import PrefillBatch, PrefillChunk, StepBatch, StepOutput
+from exspec.errors import ConfigError, ExspecError
 from exspec.scheduler.policy import Candidate, SpeculationPolicy, age_threshold_for, choose_batch
 from exspec.scheduler.request import IncrementalDetokenizer, Request, RequestState
+from exspec.scheduler.stopping import StopRule
 from exspec.scheduler.types import RequestOutput, SchedulerConfig, StepStats
 
 log = logging.getLogger("exspec.scheduler")
 
 
 class EngineProtocol(Protocol):
-    """What the scheduler needs from an engine (`engine.SpecEngine`, or a fake in tests)."""
+    """What the scheduler needs from an engine (`exspec.engine.SpecEngine`, or a fake in tests): sequences
+    are named by the scheduler's ids; the engine's per-sequence state stays private."""
 
     tokenizer: Any
+    model_name: str
     max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
     has_draft: bool
     num_slots: int
     num_free_slots: int
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None: ...
-    def add(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence: ...
-    def free(self, seq: Sequence) -> None: ...
+    def add(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
+    def free(self, seq_id: int) -> None: ...
     def prefill(self, batch: PrefillBatch) -> StepOutput: ...
     def step(self, batch: StepBatch) -> StepOutput: ...
 
 
 Delta = tuple[Request, RequestOutput]
+INTERNAL_ERROR = "internal error while generating this request; the server log has the details"
 
 
 class SchedulerCore:
     def __init__(self, engine: EngineProtocol, config: SchedulerConfig) -> None:
         if config.pool_size > engine.num_slots:
-            raise ExspecError(
+            raise ConfigError(
                 f"pool_size ({config.pool_size}) exceeds the engine's KV slots ({engine.num_slots}): "
                 "raise max_num_seqs or lower pool_size"
             )
         try:
             self.age_threshold = age_threshold_for(config.max_wait_steps, config.pool_size, config.max_batch_size)
         except ValueError as e:
-            raise ExspecError(str(e)) from e
+            raise ConfigError(str(e)) from e
         self.engine = engine
         self.config = config
         k_max = config.num_speculative_tokens if engine.has_draft else 0
         self.speculation = SpeculationPolicy(config.speculation, k_max)
         self.waiting: deque[Request] = deque()
         self.pool: list[Request] = []  # admitted: prefilling or running, in arrival order
+        self._by_seq: dict[int, Request] = {}  # engine sequence id -> request, while admitted
+        self._next_seq_id = 0
         self._last_was_prefill = False
         self._pending: list[Delta] = []  # deltas of requests that failed outside a step's results
         self.num_left_waiting = 0  # requests that left `waiting` (admitted or aborted): monotonic
@@ -91,19 +99,21 @@ class SchedulerCore:
                 return self._finish(req, reason, error)
         return None
 
-    def abort_all(self) -> list[Delta]:
+    def abort_all(self, reason: str = "abort", error: str | None = None) -> list[Delta]:
         ids = [r.request_id for r in (*self.waiting, *self.pool)]
-        return [d for d in (self.abort(i) for i in ids) if d is not None]
+        return [d for d in (self.abort(i, reason, error) for i in ids) if d is not None]
 
     # ------------------------------------------------------------------ one step
 
-    def step(self) -> tuple[list[Delta], StepStats | None]:
-        """Schedule and run one engine call. Returns the deltas it produced and its statistics."""
+    def step(self) -> tuple[list[Delta], list[StepStats]]:
+        """Schedule and run one step (one engine call, more only when a failing row is being isolated).
+        Returns the deltas it produced and the statistics of each engine call."""
         t0 = time.perf_counter()
         self._admit()
         prefilling = [r for r in self.pool if r.state is RequestState.PREFILLING]
         running = [r for r in self.pool if r.state is RequestState.RUNNING]
-        deltas, stats = [], None
+        deltas: list[Delta] = []
+        stats: list[StepStats] = []
         # Interleave: never two prefill steps in a row while sequences are decoding.
         if prefilling and (not running or not self._last_was_prefill):
             deltas, stats = self._prefill_step(prefilling, t0)
@@ -117,93 +127,114 @@ class SchedulerCore:
         while self.waiting and len(self.pool) < self.config.pool_size and self.engine.num_free_slots > 0:
             req = self.waiting.popleft()
             self.num_left_waiting += 1
+            seq_id = self._next_seq_id
+            self._next_seq_id += 1
             try:
-                req.seq = self.engine.add(req.prompt_token_ids, req.params)
-            except ExspecError as e:
-                self._pending.append(self._finish(req, "error", str(e)))
+                self.engine.add(seq_id, req.prompt_token_ids, req.params)
+            except Exception as e:  # this request's fault or not, it must not stop the loop
+                self._pending.append(self._finish(req, "error", _message(e, req)))
                 continue
+            req.seq_id = seq_id
+            req.stop_rule = StopRule.build(req.params, self.engine.eos_token_ids, self.engine.max_model_len)
             req.state = RequestState.PREFILLING
             req.first_scheduled_time = now
             self.pool.append(req)
+            self._by_seq[seq_id] = req
 
-    def _prefill_step(self, prefilling: list[Request], t0: float) -> tuple[list[Delta], StepStats | None]:
+    def _prefill_step(self, prefilling: list[Request], t0: float) -> tuple[list[Delta], list[StepStats]]:
         budget = self.config.max_prefill_tokens
-        chunks, reqs = [], []
+        ends: dict[int, int] = {}  # seq_id -> end of this step's chunk
         for req in prefilling:
             if budget <= 0:
                 break
-            seq = req.seq
-            end = min(seq.prompt_len, seq.num_prefilled + budget)
-            chunks.append(PrefillChunk(seq, seq.num_prefilled, end))
-            reqs.append(req)
-            budget -= end - seq.num_prefilled
+            ends[req.seq_id] = min(req.prompt_len, req.num_prefilled + budget)
+            budget -= ends[req.seq_id] - req.num_prefilled
+        reqs = [r for r in prefilling if r.seq_id in ends]
         t1 = time.perf_counter()
         self._last_was_prefill = True
-        out = self._run(reqs, lambda: self.engine.prefill(PrefillBatch(tuple(chunks))))
-        if out is None:
-            return [], None
-        for req, chunk in zip(reqs, chunks):
-            if chunk.end >= chunk.seq.prompt_len and not req.finished:
-                req.state = RequestState.RUNNING
-        deltas = self._emit(reqs, out)
-        return deltas, self._stats(out, t1 - t0, sum(c.end - c.start for c in chunks))
 
-    def _decode_step(self, running: list[Request], t0: float) -> tuple[list[Delta], StepStats | None]:
-        cands = [Candidate(i, r.seq.length, r.waited, r.order) for i, r in enumerate(running)]
-        choice = choose_batch(
-            cands,
-            self.config.max_batch_size,
-            self.config.group_threshold,
-            self.age_threshold,
-            force_mixed=self.config.force_mixed,
-        )
+        def call(batch: list[Request]) -> StepOutput:
+            return self.engine.prefill(PrefillBatch(tuple(PrefillChunk(r.seq_id, r.num_prefilled, ends[r.seq_id]) for r in batch)))
+
+        deltas, stats = [], []
+        for batch, out in self._run_isolated(reqs, call):
+            fed = sum(ends[r.seq_id] - r.num_prefilled for r in batch)
+            for req in batch:
+                req.num_prefilled = ends[req.seq_id]
+                if req.num_prefilled == req.prompt_len:
+                    req.state = RequestState.RUNNING
+            new, kept = self._emit(batch, out)
+            deltas += new
+            stats.append(self._stats(out, t1 - t0, fed, kept))
+        return deltas, stats
+
+    def _decode_step(self, running: list[Request], t0: float) -> tuple[list[Delta], list[StepStats]]:
+        cands = [Candidate(i, r.length, r.waited, r.order) for i, r in enumerate(running)]
+        choice = choose_batch(cands, self.config.max_batch_size, self.config.group_threshold, self.age_threshold)
         chosen = [running[i] for i in choice.keys]
         chosen_ids = {id(r) for r in chosen}
         for r in running:
             r.waited = 0 if id(r) in chosen_ids else r.waited + 1
         k = self.speculation.choose(len(chosen))
-        batch = StepBatch(tuple(r.seq for r in chosen), k, force_mixed=self.config.force_mixed)
         t1 = time.perf_counter()
         self._last_was_prefill = False
-        out = self._run(chosen, lambda: self.engine.step(batch))
-        if out is None:
-            return [], None
-        num_tokens = sum(len(o.new_token_ids) for o in out.outputs)
-        self.speculation.observe(len(chosen), out.num_draft_tokens, num_tokens, out.draft_s + out.verify_s)
-        deltas = self._emit(chosen, out)
-        return deltas, self._stats(out, t1 - t0, 0)
 
-    def _run(self, reqs: list[Request], call) -> StepOutput | None:
-        """Run an engine call; if it raises, fail exactly the requests of that batch and carry on."""
+        def call(batch: list[Request]) -> StepOutput:
+            return self.engine.step(StepBatch(tuple(r.seq_id for r in batch), k))
+
+        deltas, stats = [], []
+        for batch, out in self._run_isolated(chosen, call):
+            new, kept = self._emit(batch, out)
+            self.speculation.observe(len(batch), out.num_draft_tokens, kept, out.draft_s + out.verify_s)
+            deltas += new
+            stats.append(self._stats(out, t1 - t0, 0, kept))
+        return deltas, stats
+
+    def _run_isolated(
+        self, reqs: list[Request], call: Callable[[list[Request]], StepOutput]
+    ) -> list[tuple[list[Request], StepOutput]]:
+        """Run `call(reqs)`. If it raises, bisect: rerun each half as its own call, down to single requests,
+        so only the request(s) whose rows fail are failed and every batchmate runs on with the output it
+        would have had (the engine advances a sequence only after a call succeeds; rerunning rewrites the
+        same K/V, and sampling is keyed by position, not by batch)."""
         try:
-            return call()
-        except Exception as e:  # a bad step must not take the server down
-            log.exception("engine step failed; failing %d request(s)", len(reqs))
-            msg = f"internal error in the engine step: {type(e).__name__}: {e}"
-            self._pending.extend(d for d in (self.abort(r.request_id, "error", msg) for r in reqs) if d)
-            return None
+            return [(reqs, call(reqs))]
+        except Exception as e:
+            if len(reqs) == 1:
+                req = reqs[0]
+                log.exception("engine call failed for request %s; failing it alone", req.request_id)
+                self._pending.append(self._finish(req, "error", _message(e, req)))
+                return []
+            log.warning("engine call over %d requests failed (%s); isolating the failing row", len(reqs), type(e).__name__)
+            mid = len(reqs) // 2
+            return self._run_isolated(reqs[:mid], call) + self._run_isolated(reqs[mid:], call)
 
     # ------------------------------------------------------------------ outputs
 
-    def _emit(self, reqs: list[Request], out: StepOutput) -> list[Delta]:
-        deltas = []
+    def _emit(self, reqs: list[Request], out: StepOutput) -> tuple[list[Delta], int]:
+        """Cut each row's sampled tokens by its stopping rule and turn them into deltas. Returns the deltas
+        and the number of tokens kept."""
+        deltas, num_kept = [], 0
         for req, so in zip(reqs, out.outputs):
             req.num_draft_tokens += so.num_draft_tokens
             req.num_accepted_tokens += so.num_accepted
-            engine_done = so.finish_reason is not None
-            if not so.new_token_ids and not engine_done:
+            if not so.token_ids:  # a prompt chunk that does not complete the prompt
                 continue
-            text, stopped = req.add_tokens(so.new_token_ids, engine_done)
-            first = req.num_output_tokens == len(so.new_token_ids)
-            if stopped or engine_done:
-                deltas.append(self._finish(req, "stop" if stopped else so.finish_reason, None, so.new_token_ids, text))
+            kept, reason = req.stop_rule.apply(so.token_ids, req.num_output_tokens, req.length)
+            num_kept += len(kept)
+            first = req.num_output_tokens == 0
+            text, stopped = req.add_tokens(kept, reason is not None)
+            if stopped or reason is not None:
+                deltas.append(self._finish(req, "stop" if stopped else reason, None, kept, text))
             else:
-                deltas.append((req, self._output(req, so.new_token_ids, text, first)))
-        return deltas
+                deltas.append((req, self._output(req, kept, text, first)))
+        return deltas, num_kept
 
     def _finish(self, req: Request, reason: str, error: str | None, token_ids=(), text: str = "") -> Delta:
-        if req.seq is not None:
-            self.engine.free(req.seq)
+        if req.seq_id is not None:
+            self.engine.free(req.seq_id)
+            self._by_seq.pop(req.seq_id, None)
+            req.seq_id = None
         if req in self.pool:
             self.pool.remove(req)
         req.state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
@@ -232,16 +263,25 @@ class SchedulerCore:
             queue_time_s=queue_time,
         )
 
-    def _stats(self, out: StepOutput, schedule_s: float, prompt_tokens: int) -> StepStats:
+    def _stats(self, out: StepOutput, schedule_s: float, prompt_tokens: int, num_tokens: int) -> StepStats:
         return StepStats(
             kind=out.kind,
             batch_size=out.batch_size,
             num_draft_tokens=out.num_draft_tokens,
             num_proposed_tokens=sum(o.num_draft_tokens for o in out.outputs),
+            num_drafts=sum(1 for o in out.outputs if o.num_draft_tokens > 0),
             accepted_per_position=out.accepted_per_position,
-            num_tokens=sum(len(o.new_token_ids) for o in out.outputs),
+            num_tokens=num_tokens,
             num_prompt_tokens=prompt_tokens,
             schedule_s=schedule_s,
             draft_s=out.draft_s,
             verify_s=out.verify_s,
         )
+
+
+def _message(e: Exception, req: Request) -> str:
+    """What the client is told: an exspec error names the problem; anything else is an internal error whose
+    details go to the log only."""
+    if isinstance(e, ExspecError):
+        return str(e)
+    return INTERNAL_ERROR

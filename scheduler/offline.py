@@ -83,8 +83,9 @@ def generate_offline(
     while core.has_work():
         t0 = time.perf_counter()
         deltas, stats = core.step()
-        if stats is not None:
-            summary.add(stats, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        for st in stats:  # one per engine call (several only while a failing row is isolated)
+            summary.add(st, seconds / len(stats))
         summary.num_generated_tokens += sum(len(out.token_ids) for _, out in deltas)
         if bar is not None:
             bar.update(sum(1 for _, out in deltas if out.finished))
@@ -92,7 +93,7 @@ def generate_offline(
     if bar is not None:
         bar.close()
     results = [
-        OfflineResult(i, list(r.seq.output_token_ids if r.seq else []), r.text, r.finish_reason, r.error)
+        OfflineResult(i, list(r.output_token_ids), r.text, r.finish_reason, r.error)
         for i, r in enumerate(reqs)
     ]
     return results, summary

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from exspec.engine.params import SamplingParams
-from exspec.engine.sequence import Sequence
+from exspec.scheduler.stopping import StopRule
 
 
 class RequestState(enum.Enum):
@@ -56,7 +56,9 @@ class Request:
     order: int  # arrival order
     arrival_time: float = field(default_factory=time.monotonic)
     state: RequestState = RequestState.WAITING
-    seq: Sequence | None = None  # engine sequence once admitted
+    seq_id: int | None = None  # the engine's handle once admitted (a KV slot is held while it is set)
+    stop_rule: StopRule | None = None  # set at admission
+    num_prefilled: int = 0  # prompt tokens already in the engine's caches
     first_scheduled_time: float | None = None
     waited: int = 0  # consecutive decode steps not chosen (aging)
     finish_reason: str | None = None
@@ -64,7 +66,7 @@ class Request:
     detok: IncrementalDetokenizer | None = None
     text: str = ""  # all output text so far (stop strings cut)
     sent_chars: int = 0  # how much of `text` has been streamed
-    num_output_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)  # generated tokens kept (cut at stop / length)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 
@@ -72,9 +74,22 @@ class Request:
     def finished(self) -> bool:
         return self.state in (RequestState.FINISHED, RequestState.ABORTED)
 
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def length(self) -> int:
+        """Tokens in the sequence: prompt + generated (the engine's length while the request runs)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
     def add_tokens(self, token_ids: tuple[int, ...], engine_finished: bool) -> tuple[str, bool]:
         """Append new tokens; return (text to stream now, stopped by a stop string)."""
-        self.num_output_tokens += len(token_ids)
+        self.output_token_ids.extend(token_ids)
         piece = self.detok.add(token_ids, final=engine_finished) if self.detok else ""
         stops = self.params.stop
         stopped = False

@@ -17,7 +17,6 @@ class SchedulerConfig:
     min_group_size: int = 0  # a same-length group smaller than this runs as a mixed batch; 0: B // 2 (at least 2)
     max_wait_steps: int = 8  # aging: a running sequence waits at most this many decode steps
     max_prefill_tokens: int = 512  # prompt tokens prefilled per step at most (chunked beyond it)
-    force_mixed: bool = False  # benchmarks: never group, always take the mixed path
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str, value: object) -> None:
@@ -70,6 +69,7 @@ class StepStats:
     batch_size: int  # sequences in the step
     num_draft_tokens: int  # k used (0 for prefill or speculation off)
     num_proposed_tokens: int  # draft tokens proposed over all rows (rows that opted out propose none)
+    num_drafts: int  # rows that proposed at least one draft token (vLLM's "drafts")
     accepted_per_position: tuple[int, ...]  # [k]: rows whose i-th draft token was accepted
     num_tokens: int  # tokens emitted by the step (all rows)
     num_prompt_tokens: int  # prompt tokens prefilled by the step

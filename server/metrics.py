@@ -1,7 +1,12 @@
 """Prometheus metrics of one server: a per-app registry, step-level metrics fed by the scheduler's step
 listener, request-level metrics fed by the server's stream handling.
 
-Names follow vLLM's where one exists (prefix `exspec_` instead of `vllm:`), so its dashboards translate.
+Two families are exported from the same events:
+- `exspec_*`: exspec's own names (the project's Grafana dashboard reads these);
+- `vllm:*`: vLLM's documented production metrics, with vLLM's names, types, units, labels (`model_name`,
+  `engine`) and buckets, so that vLLM's Grafana dashboards, `vllm bench serve`'s speculative-decoding report
+  and other tools built for vLLM read exspec unchanged.
+A quantity both families share is one `_Twin`: one call updates both, so the two can never disagree.
 """
 
 from __future__ import annotations
@@ -15,13 +20,14 @@ if TYPE_CHECKING:
     from exspec.scheduler.types import RequestOutput, StepStats
 
 # The exact family names /metrics exports (counters with their `_total`, as in the text format's TYPE lines).
-METRIC_NAMES: tuple[str, ...] = (
+EXSPEC_METRIC_NAMES: tuple[str, ...] = (
     "exspec_num_requests_running",
     "exspec_num_requests_waiting",
     "exspec_kv_slots_used_ratio",
     "exspec_prompt_tokens_total",
     "exspec_generation_tokens_total",
     "exspec_request_success_total",
+    "exspec_spec_decode_num_drafts_total",
     "exspec_spec_decode_num_draft_tokens_total",
     "exspec_spec_decode_num_accepted_tokens_total",
     "exspec_spec_decode_num_accepted_tokens_per_pos_total",
@@ -34,6 +40,34 @@ METRIC_NAMES: tuple[str, ...] = (
     "exspec_batch_size",
     "exspec_acceptance_length",
 )
+# vLLM's names (vllm/v1/metrics/loggers.py, vllm/v1/spec_decode/metrics.py), each labelled model_name and engine.
+VLLM_METRIC_NAMES: tuple[str, ...] = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+    "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+    "vllm:iteration_tokens_total",  # a histogram, despite its name (as in vLLM)
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:time_per_output_token_seconds",
+    "vllm:request_time_per_output_token_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_inference_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+)
+METRIC_NAMES: tuple[str, ...] = EXSPEC_METRIC_NAMES + VLLM_METRIC_NAMES
+VLLM_LABELS = ("model_name", "engine")  # every vllm:* series carries both; engine is always "0" here
+FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM creates a success series per reason up front
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0
@@ -45,48 +79,121 @@ _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.3
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 12.0, 17.0, 33.0)
 
+# vLLM's buckets, so that its dashboards' heatmaps and quantiles look as they do against vLLM.
+_VLLM_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0, 2560.0,
+)
+_VLLM_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0
+)
+_VLLM_REQUEST_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    1920.0, 7680.0,
+)
+_VLLM_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# vLLM builds 1-2-5 buckets up to max_model_len; a fixed 1-2-5 series up to 1M tokens covers every length.
+_VLLM_TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**e <= 1_000_000)
+
+
+class _Twin:
+    """One quantity exported as an exspec_* series and its vllm:* namesake: every update goes to both."""
+
+    def __init__(self, *series) -> None:
+        self._series = series  # [2]: the exspec_* series, the vllm:* series (model_name and engine bound)
+
+    def inc(self, amount: float = 1.0) -> None:
+        for series in self._series:
+            series.inc(amount)
+
+    def observe(self, value: float) -> None:
+        for series in self._series:
+            series.observe(value)
+
+    def set_function(self, fn) -> None:
+        for series in self._series:
+            series.set_function(fn)
+
+
+class _LabelledTwin:
+    """A `_Twin` with labels of its own (finished_reason, position): `.labels(...)` gives the twin series."""
+
+    def __init__(self, own, vllm, base: dict[str, str]) -> None:
+        self._own, self._vllm, self._base = own, vllm, base
+
+    def labels(self, **labels: str) -> _Twin:
+        return _Twin(self._own.labels(**labels), self._vllm.labels(**self._base, **labels))
+
 
 class ServerMetrics:
-    """Every metric of one app, in its own `CollectorRegistry` (two apps in one process never share one)."""
+    """Every metric of one app, in its own `CollectorRegistry` (two apps in one process never share one).
 
-    def __init__(self) -> None:
+    `model_name` is the served model name: the `model_name` label of every vllm:* series.
+    """
+
+    def __init__(self, model_name: str) -> None:
         r = self.registry = CollectorRegistry()
-        self.num_running = Gauge("exspec_num_requests_running", "Requests in the running pool", registry=r)
-        self.num_waiting = Gauge("exspec_num_requests_waiting", "Requests queued before admission", registry=r)
-        self.kv_used = Gauge("exspec_kv_slots_used_ratio", "Fraction of KV slots in use (0..1)", registry=r)
-        self.prompt_tokens = Counter("exspec_prompt_tokens", "Prompt tokens prefilled", registry=r)
-        self.generation_tokens = Counter("exspec_generation_tokens", "Tokens generated", registry=r)
-        self.request_success = Counter(
-            "exspec_request_success", "Finished requests, by finish reason", ["finished_reason"], registry=r
-        )
-        self.draft_tokens = Counter(
-            "exspec_spec_decode_num_draft_tokens", "Draft tokens proposed (rows that opted out of speculation propose none)", registry=r
-        )
-        self.accepted_tokens = Counter(
-            "exspec_spec_decode_num_accepted_tokens", "Draft tokens accepted by the target", registry=r
-        )
-        self.accepted_per_pos = Counter(
-            "exspec_spec_decode_num_accepted_tokens_per_pos",
-            "Accepted draft tokens, by draft position (0-based)",
-            ["position"],
-            registry=r,
-        )
-        self.steps = Counter("exspec_scheduler_steps", "Scheduler steps, by kind", ["kind"], registry=r)
-        self.ttft = Histogram(
-            "exspec_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
-        )
+        base = {"model_name": model_name, "engine": "0"}
+
+        def twin(kind, name: str, vllm_name: str, doc: str, vllm_doc: str, labelnames=(), own_buckets=None,
+                 vllm_buckets=None):
+            extra = {} if kind is not Histogram else {"buckets": own_buckets}
+            own = kind(name, doc, labelnames, registry=r, **extra)
+            extra = {} if kind is not Histogram else {"buckets": vllm_buckets}
+            vllm = kind(vllm_name, vllm_doc, VLLM_LABELS + tuple(labelnames), registry=r, **extra)
+            return _LabelledTwin(own, vllm, base) if labelnames else _Twin(own, vllm.labels(**base))
+
+        def vllm_only(kind, name: str, doc: str, buckets):
+            return kind(name, doc, VLLM_LABELS, buckets=buckets, registry=r).labels(**base)
+
+        # --- shared by both families (scheduler state, token counts, speculation, request latencies)
+        self.num_running = twin(Gauge, "exspec_num_requests_running", "vllm:num_requests_running",
+                                "Requests in the running pool", "Requests in the running pool (vLLM's name)")
+        self.num_waiting = twin(Gauge, "exspec_num_requests_waiting", "vllm:num_requests_waiting",
+                                "Requests queued before admission", "Requests queued before admission (vLLM's name)")
+        self.kv_used = twin(Gauge, "exspec_kv_slots_used_ratio", "vllm:kv_cache_usage_perc",
+                            "Fraction of KV slots in use (0..1)", "Fraction of KV slots in use, 0..1 (vLLM's name)")
+        self.prompt_tokens = twin(Counter, "exspec_prompt_tokens", "vllm:prompt_tokens", "Prompt tokens prefilled",
+                                  "Prompt tokens prefilled (vLLM's name)")
+        self.generation_tokens = twin(Counter, "exspec_generation_tokens", "vllm:generation_tokens",
+                                      "Tokens generated", "Tokens generated (vLLM's name)")
+        self.request_success = twin(Counter, "exspec_request_success", "vllm:request_success",
+                                    "Finished requests, by finish reason",
+                                    "Finished requests by finish reason (vLLM's name)",
+                                    ("finished_reason",))
+        for reason in FINISH_REASONS:
+            self.request_success.labels(finished_reason=reason)
+        self.drafts = twin(Counter, "exspec_spec_decode_num_drafts", "vllm:spec_decode_num_drafts",
+                           "Drafts verified: one per sequence per speculative step that proposed draft tokens",
+                           "Sequences verified with draft tokens, per step (vLLM's name)")
+        self.draft_tokens = twin(Counter, "exspec_spec_decode_num_draft_tokens", "vllm:spec_decode_num_draft_tokens",
+                                 "Draft tokens proposed (rows that opted out of speculation propose none)",
+                                 "Draft tokens proposed (vLLM's name)")
+        self.accepted_tokens = twin(Counter, "exspec_spec_decode_num_accepted_tokens",
+                                    "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted by the target",
+                                    "Draft tokens accepted (vLLM's name)")
+        self.accepted_per_pos = twin(Counter, "exspec_spec_decode_num_accepted_tokens_per_pos",
+                                     "vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted draft tokens, by draft position (0-based)",
+                                     "Accepted draft tokens by 0-based position (vLLM's name)", ("position",))
+        self.ttft = twin(Histogram, "exspec_time_to_first_token_seconds", "vllm:time_to_first_token_seconds",
+                         "Arrival to first token", "Arrival to first token, seconds (vLLM's name)",
+                         own_buckets=_LATENCY_BUCKETS, vllm_buckets=_VLLM_TTFT_BUCKETS)
+        self.e2e = twin(Histogram, "exspec_e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds",
+                        "Arrival to last token", "Arrival to last token, seconds (vLLM's name)",
+                        own_buckets=_LATENCY_BUCKETS, vllm_buckets=_VLLM_REQUEST_BUCKETS)
+        self.queue_time = twin(Histogram, "exspec_request_queue_time_seconds", "vllm:request_queue_time_seconds",
+                               "Submit to first scheduled", "Submit to first scheduled, seconds (vLLM's name)",
+                               own_buckets=_LATENCY_BUCKETS, vllm_buckets=_VLLM_REQUEST_BUCKETS)
+
+        # --- exspec only
         self.itl = Histogram(
             "exspec_inter_token_latency_seconds",
             "Time per output token after the first (a delta of n tokens counts n times its gap / n)",
             buckets=_ITL_BUCKETS,
             registry=r,
         )
-        self.e2e = Histogram(
-            "exspec_e2e_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS, registry=r
-        )
-        self.queue_time = Histogram(
-            "exspec_request_queue_time_seconds", "Submit to first scheduled", buckets=_LATENCY_BUCKETS, registry=r
-        )
+        self.steps = Counter("exspec_scheduler_steps", "Scheduler steps, by kind", ["kind"], registry=r)
         self.step_duration = Histogram(
             "exspec_step_duration_seconds", "Seconds per step phase", ["phase"], buckets=_STEP_BUCKETS, registry=r
         )
@@ -99,6 +206,34 @@ class ServerMetrics:
             buckets=_ACCEPT_BUCKETS,
             registry=r,
         )
+
+        # --- vLLM only: vLLM's own definitions, derived from the same events
+        self.vllm_itl = vllm_only(Histogram, "vllm:inter_token_latency_seconds",
+                                  "Seconds between two steps that brought a request tokens (vLLM's name)",
+                                  _VLLM_ITL_BUCKETS)
+        self.vllm_tpot = vllm_only(Histogram, "vllm:time_per_output_token_seconds",
+                                   "Same as vllm:inter_token_latency_seconds (vLLM's older, deprecated name)",
+                                   _VLLM_ITL_BUCKETS)
+        self.vllm_request_tpot = vllm_only(Histogram, "vllm:request_time_per_output_token_seconds",
+                                           "Per request: decode seconds / (generated tokens - 1) (vLLM's name)",
+                                           _VLLM_ITL_BUCKETS)
+        self.vllm_iteration_tokens = vllm_only(Histogram, "vllm:iteration_tokens_total",
+                                               "Prompt and generated tokens per scheduler step (vLLM's name)",
+                                               _VLLM_ITERATION_BUCKETS)
+        self.vllm_prompt_len = vllm_only(Histogram, "vllm:request_prompt_tokens",
+                                         "Prompt tokens per finished request (vLLM's name)", _VLLM_TOKEN_COUNT_BUCKETS)
+        self.vllm_generation_len = vllm_only(Histogram, "vllm:request_generation_tokens",
+                                             "Generated tokens per finished request (vLLM's name)",
+                                             _VLLM_TOKEN_COUNT_BUCKETS)
+        self.vllm_inference_time = vllm_only(Histogram, "vllm:request_inference_time_seconds",
+                                             "First scheduled to last token, seconds (vLLM's name)",
+                                             _VLLM_REQUEST_BUCKETS)
+        self.vllm_prefill_time = vllm_only(Histogram, "vllm:request_prefill_time_seconds",
+                                           "First scheduled to first token, seconds (vLLM's name)",
+                                           _VLLM_REQUEST_BUCKETS)
+        self.vllm_decode_time = vllm_only(Histogram, "vllm:request_decode_time_seconds",
+                                          "First to last token, seconds (vLLM's name)",
+                                          _VLLM_REQUEST_BUCKETS)
 
     def bind_scheduler(self, scheduler) -> None:
         """Gauges read the scheduler at scrape time; step metrics come from its step listener."""
@@ -114,11 +249,13 @@ class ServerMetrics:
         self.step_duration.labels(phase="verify").observe(stats.verify_s)
         self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(stats.num_tokens)
+        self.vllm_iteration_tokens.observe(stats.num_prompt_tokens + stats.num_tokens)
         if stats.kind == "prefill" or stats.batch_size <= 0:
             return
         self.batch_size.observe(stats.batch_size)
         if stats.num_draft_tokens > 0:
             accepted = sum(stats.accepted_per_position)
+            self.drafts.inc(stats.num_drafts)
             self.draft_tokens.inc(stats.num_proposed_tokens)
             self.accepted_tokens.inc(accepted)
             for pos, count in enumerate(stats.accepted_per_position):
@@ -129,7 +266,8 @@ class ServerMetrics:
         return RequestTimer(self, arrival)
 
     def exposition(self) -> bytes:
-        """The text format, without prometheus-client's `*_created` timestamp series (noise on dashboards)."""
+        """The text format, without prometheus-client's `*_created` timestamp series (noise on dashboards,
+        and `vllm bench serve` would add them into its spec-decode counters, as vLLM disables them too)."""
         return generate_latest(_WithoutCreated(self.registry))
 
 
@@ -144,11 +282,19 @@ class _WithoutCreated:
 
 
 class RequestTimer:
-    """Request-level latencies of one scheduler request, fed with each delta of its stream."""
+    """Request-level latencies of one scheduler request, fed with each delta of its stream.
+
+    The intervals follow vLLM's (docs/design/metrics.md): queue = submit to first scheduled; prefill = first
+    scheduled to first token; decode = first to last token; inference = prefill + decode; TTFT and e2e from
+    the HTTP arrival. "First scheduled" is the arrival plus the scheduler's queue time, so prefill also holds
+    the few milliseconds of tokenisation before submit.
+    """
 
     def __init__(self, metrics: ServerMetrics, arrival: float) -> None:
         self.metrics = metrics
         self.arrival = arrival  # time.monotonic() when the HTTP request arrived
+        self.queue_time: float | None = None  # seconds from submit to first scheduled, from the first delta
+        self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.first_delta = True
 
@@ -157,18 +303,37 @@ class RequestTimer:
         if self.first_delta:
             self.first_delta = False
             if out.queue_time_s is not None:
+                self.queue_time = out.queue_time_s
                 m.queue_time.observe(out.queue_time_s)
         n = len(out.token_ids)
         if n:
             if self.last_token_at is None:
+                self.first_token_at = now
                 m.ttft.observe(now - self.arrival)
-                n -= 1  # the first token has no inter-token gap; the rest of its delta came with it
-                gap = 0.0
+                n, per_token = n - 1, 0.0  # the first token has no gap; the rest of its delta came with it
             else:
-                gap = (now - self.last_token_at) / n
+                gap = now - self.last_token_at
+                m.vllm_itl.observe(gap)  # vLLM: one observation per step that brought tokens, its whole gap
+                m.vllm_tpot.observe(gap)
+                per_token = gap / n
             for _ in range(n):
-                m.itl.observe(gap)
+                m.itl.observe(per_token)  # exspec: one observation per token, the step's gap shared out
             self.last_token_at = now
         if out.finished:
-            m.e2e.observe(now - self.arrival)
-            m.request_success.labels(finished_reason=out.finish_reason or "unknown").inc()
+            self._finish(out, now)
+
+    def _finish(self, out: RequestOutput, now: float) -> None:
+        m = self.metrics
+        m.e2e.observe(now - self.arrival)
+        m.request_success.labels(finished_reason=out.finish_reason or "unknown").inc()
+        m.vllm_prompt_len.observe(out.prompt_tokens)
+        m.vllm_generation_len.observe(out.completion_tokens)
+        if self.first_token_at is None or self.last_token_at is None:
+            return  # finished before its first token (aborted or refused): no prefill or decode phase
+        scheduled_at = self.arrival + (self.queue_time or 0.0)
+        decode = self.last_token_at - self.first_token_at
+        m.vllm_prefill_time.observe(max(self.first_token_at - scheduled_at, 0.0))
+        m.vllm_decode_time.observe(decode)
+        m.vllm_inference_time.observe(max(self.last_token_at - scheduled_at, 0.0))
+        if out.completion_tokens > 1:
+            m.vllm_request_tpot.observe(decode / (out.completion_tokens - 1))

@@ -1,7 +1,9 @@
 """OpenAI completions and chat completions on top of the scheduler: requests become scheduler submissions
 (one per prompt x choice), their delta streams become OpenAI responses or SSE chunks.
 
-The server only submits, reads streams and aborts: it never touches the engine's step functions.
+The server only submits, reads streams and aborts, through `SchedulerProtocol`. Tokenizing, chat templates
+and echo's detokenizing of large inputs run in a small thread pool, so one big request never stalls the
+event loop (and with it every other stream).
 """
 
 from __future__ import annotations
@@ -9,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -20,6 +22,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from exspec.errors import InvalidRequestError
 from exspec.engine.params import SamplingParams
 from exspec.scheduler.types import QueueFullError, RequestOutput, SchedulerClosedError
+from exspec.server import limits
+from exspec.server.config import ServerConfig
+from exspec.server.lifecycle import Lifecycle, ServerKilled
 from exspec.server.metrics import RequestTimer, ServerMetrics
 from exspec.server.protocol import (
     APIError,
@@ -39,6 +44,8 @@ from exspec.server.protocol import (
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS_CAP = 1024  # chat default: the model length left, at most this
+OFFLOAD_CHARS = 16_384  # text (or token ids) longer than this is tokenized (decoded) off the event loop
+OFFLOAD_THREADS = 2
 logger = logging.getLogger("exspec.server")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -175,35 +182,51 @@ def _sse(obj) -> str:
     return f"data: {obj.model_dump_json()}\n\n"
 
 
-def _sse_error(message: str) -> str:
-    return "data: " + APIError(500, message, type="internal_error").body_json() + "\n\n"
+def _sse_error(err: APIError) -> str:
+    return "data: " + err.body_json() + "\n\n"
+
+
+def _request_id(request: Request) -> str:
+    return getattr(request.state, "request_id", None) or "-"
 
 
 class OpenAIServing:
     """The two generation endpoints. Holds no per-request state."""
 
-    def __init__(self, scheduler, metrics: ServerMetrics, model_name: str) -> None:
+    def __init__(self, scheduler, metrics: ServerMetrics, model_name: str, config: ServerConfig,
+                 lifecycle: Lifecycle) -> None:
         self.scheduler = scheduler
         self.metrics = metrics
         self.model_name = model_name
-        self.tokenizer = scheduler.engine.tokenizer
-        self.max_model_len = scheduler.engine.max_model_len
+        self.config = config
+        self.lifecycle = lifecycle
+        self.tokenizer = scheduler.tokenizer
+        self.max_model_len = scheduler.max_model_len
+        self.vocab_size = scheduler.vocab_size
+        self.token_chars = limits.max_token_chars(self.tokenizer)
         self.background: set[asyncio.Task] = set()  # reapers of aborted requests
+        self._pool = ThreadPoolExecutor(OFFLOAD_THREADS, thread_name_prefix="exspec-tokenize")
 
-    def cancel_background(self) -> None:
+    def close(self) -> None:
         for task in list(self.background):
             task.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def unavailable(self, why: str) -> APIError:
+        return APIError(503, why, type="service_unavailable",
+                        headers={"Retry-After": str(self.config.retry_after_unavailable_s)})
 
     # ------------------------------------------------------------------------------------- endpoints
 
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self._check_common(req, req.unsupported_fields())
-        prompts, prompt_texts = self._completion_prompts(req)
+        limits.check_completion_prompts(req, self.config)
         max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
-        for ids in prompts:
-            self._check_length(ids, max_tokens, "prompt")
-        gen = self._submit(req, prompts, max_tokens, "cmpl", arrival)
+        limits.check_min_tokens(req, max_tokens)
+        prompts = await self._completion_prompts(req, max_tokens)
+        prompt_texts = await self._echo_texts(req, prompts)
+        gen = self._submit(req, prompts, max_tokens, f"cmpl-{_request_id(request)}", arrival)
         if req.stream:
             return self._streaming(self._completion_chunks(req, gen, prompts, prompt_texts))
         choices = await self._collect(gen, request)
@@ -221,7 +244,8 @@ class OpenAIServing:
     async def chat_completions(self, req: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self._check_common(req, req.unsupported_fields())
-        ids = self._chat_prompt(req)
+        limits.check_messages(req, self.config)
+        ids = await self._chat_prompt(req)
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if asked is None:
             left = self.max_model_len - len(ids)
@@ -231,7 +255,8 @@ class OpenAIServing:
         else:
             max_tokens = asked
         self._check_length(ids, max_tokens, "messages")
-        gen = self._submit(req, [ids], max_tokens, "chatcmpl", arrival)
+        limits.check_min_tokens(req, max_tokens)
+        gen = self._submit(req, [ids], max_tokens, f"chatcmpl-{_request_id(request)}", arrival)
         if req.stream:
             return self._streaming(self._chat_chunks(req, gen, [ids]))
         choices = await self._collect(gen, request)
@@ -257,27 +282,46 @@ class OpenAIServing:
         if unsupported:
             raise APIError(400, f"{unsupported[0]} is not supported yet by exspec", param=unsupported[0],
                            code="unsupported_parameter")
+        limits.check_sampling(req, self.config, self.vocab_size)
+
+    async def _off_loop(self, size: int, fn: Callable, *args):
+        """fn(*args), in the thread pool when `size` (characters or ids) is large, else right here."""
+        if size <= OFFLOAD_CHARS:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def _completion_prompts(self, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
-        """Token ids of each prompt, and each prompt's text (for echo)."""
+    async def _completion_prompts(self, req: CompletionRequest, max_tokens: int) -> list[list[int]]:
+        """Token ids of each prompt, each checked: length, then every id in the vocabulary."""
         p = req.prompt
-        if isinstance(p, str):
-            texts = [p]
-        elif len(p) == 0:
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        elif isinstance(p[0], str):
-            texts = list(p)
+        if isinstance(p, str) or isinstance(p[0], str):
+            texts = [p] if isinstance(p, str) else p
+            for t in texts:
+                limits.check_fits_in_tokens(len(t), self.max_model_len, self.token_chars, "prompt")
+            prompts = [await self._off_loop(len(t), self._encode, t) for t in texts]
         elif isinstance(p[0], int):
-            return [list(p)], [self.tokenizer.decode(p) if req.echo else ""]
+            prompts = [p]
         else:
-            return [list(x) for x in p], [self.tokenizer.decode(x) if req.echo else "" for x in p]
-        return [self._encode(t) for t in texts], texts
+            prompts = p
+        for ids in prompts:
+            self._check_length(ids, max_tokens, "prompt")
+            limits.check_token_ids(ids, self.vocab_size, "prompt")
+        return prompts
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        messages = []
+    async def _echo_texts(self, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """Each prompt's text, for echo (ids checked already, so decoding cannot fail on them)."""
+        if not req.echo:
+            return ["" for _ in prompts]
+        if isinstance(req.prompt, str):
+            return [req.prompt]
+        if isinstance(req.prompt[0], str):
+            return list(req.prompt)
+        return [await self._off_loop(len(ids), self.tokenizer.decode, ids) for ids in prompts]
+
+    async def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages, chars = [], 0
         for i, m in enumerate(req.messages):
             content = m.content
             if content is None:
@@ -286,14 +330,18 @@ class OpenAIServing:
                 parts = []
                 for part in content:
                     if not isinstance(part, TextPart):
-                        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                        raise APIError(400, f"messages[{i}].content: only text parts are supported, got {kind!r}",
-                                       param="messages")
+                        raise APIError(400, f"messages[{i}].content: only text parts are supported, got "
+                                            f"{part.type!r}", param="messages")
                     parts.append(part.text)
                 content = "\n".join(parts)
+            chars += len(content)
             messages.append({"role": m.role, "content": content})
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
+        limits.check_fits_in_tokens(chars, self.max_model_len, self.token_chars, "messages")
+        return await self._off_loop(chars, self._render_chat, messages)
+
+    def _render_chat(self, messages: list[dict]) -> list[int]:
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # a template may reject roles or orderings (jinja raise_exception)
@@ -303,7 +351,7 @@ class OpenAIServing:
     def _check_length(self, ids: list[int], max_tokens: int, param: str) -> None:
         if not ids:
             raise APIError(400, "the prompt is empty: give at least one token", param=param)
-        if isinstance(max_tokens, int) and len(ids) + max_tokens > self.max_model_len:
+        if len(ids) + max_tokens > self.max_model_len:
             raise APIError(
                 400,
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
@@ -317,10 +365,10 @@ class OpenAIServing:
         top_k = req.top_k if req.top_k not in (None, -1) else 0
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
+            temperature=limits.engine_temperature(req.temperature),
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=top_k,
-            seed=None if req.seed is None else req.seed + choice,
+            seed=limits.engine_seed(req.seed, choice),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             min_tokens=req.min_tokens,
@@ -328,8 +376,8 @@ class OpenAIServing:
             stop=req.stop_strings(),
         )
 
-    def _submit(self, req, prompts: list[list[int]], max_tokens: int, prefix: str, arrival: float) -> _Generation:
-        gen = _Generation(self.scheduler, self.metrics, f"{prefix}-{uuid.uuid4().hex}", arrival, self.background)
+    def _submit(self, req, prompts: list[list[int]], max_tokens: int, base_id: str, arrival: float) -> _Generation:
+        gen = _Generation(self.scheduler, self.metrics, base_id, arrival, self.background)
         try:
             params = [self._params(req, max_tokens, i) for i in range(req.n)]
         except InvalidRequestError as e:
@@ -341,29 +389,39 @@ class OpenAIServing:
         except InvalidRequestError as e:
             raise APIError(400, str(e), param="prompt") from e
         except QueueFullError as e:
-            raise APIError(429, f"the server is busy: {e}", type="server_overloaded", code="queue_full") from e
+            raise APIError(429, f"the server is busy: {e}", type="server_overloaded", code="queue_full",
+                           headers={"Retry-After": str(self.config.retry_after_s)}) from e
         except SchedulerClosedError as e:
-            raise APIError(503, f"the server is not accepting requests: {e}", type="service_unavailable") from e
+            raise self.unavailable(f"the server is not accepting requests: {e}") from e
         return gen
 
     # ------------------------------------------------------------------------------------- responses out
 
+    def _generation_failed(self, gen: _Generation, error: str | None) -> APIError:
+        logger.error("generation %s failed: %s", gen.base_id, error)
+        return APIError(500, f"generation failed: internal error (request id {gen.base_id})", type="internal_error")
+
     async def _collect(self, gen: _Generation, request: Request) -> list[_Choice]:
-        """All choices, finished; a client that disconnects first aborts them."""
+        """All choices, finished; a client that disconnects first aborts them, and so does a second signal."""
+        self.lifecycle.open_requests += 1
         collect = asyncio.create_task(gen.collect())
         watch = asyncio.create_task(_wait_for_disconnect(request))
+        killed = asyncio.create_task(self.lifecycle.killed.wait())
         try:
-            await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({collect, watch, killed}, return_when=asyncio.FIRST_COMPLETED)
             if not collect.done():
                 gen.abort_unfinished()
+                if killed.done():
+                    raise self.unavailable("the server is shutting down")
                 raise APIError(499, "client disconnected", type="client_closed_request")
             choices = collect.result()
         finally:
-            for t in (collect, watch):
+            for t in (collect, watch, killed):
                 t.cancel()
+            self.lifecycle.open_requests -= 1
         failed = [c for c in choices if c.finish_reason == "error"]
         if failed:
-            raise APIError(500, f"generation failed: {failed[0].error}", type="internal_error")
+            raise self._generation_failed(gen, failed[0].error)
         return choices
 
     @staticmethod
@@ -373,28 +431,39 @@ class OpenAIServing:
     async def _sse_events(self, req, gen: _Generation, prompts, opening: list[str], render, usage_event):
         """The SSE body: the opening events, one event per delta with something to say (`render`), the usage
         event when asked for, then [DONE]. However it ends (a client disconnect cancels it), every choice
-        not finished is aborted."""
+        not finished is aborted. A second signal ends it with an error event and [DONE]."""
+        self.lifecycle.open_requests += 1
+        try:
+            async for event in self._sse_body(req, gen, prompts, opening, render, usage_event):
+                yield event
+            yield "data: [DONE]\n\n"
+        finally:
+            self.lifecycle.open_requests -= 1
+
+    async def _sse_body(self, req, gen: _Generation, prompts, opening: list[str], render, usage_event):
         try:
             for event in opening:
                 yield event
             failed = None
-            async with aclosing(gen.deltas()) as deltas:
-                async for choice, out in deltas:
+            async with aclosing(gen.deltas()) as deltas, aclosing(self.lifecycle.until_killed(deltas)) as items:
+                async for choice, out in items:
                     if out.finished and out.finish_reason == "error":
                         failed = out.error
                         break
                     if out.text or out.finished or (req.return_token_ids and out.token_ids):
                         yield render(choice, out)
             if failed is not None:
-                yield _sse_error(f"generation failed: {failed}")
+                yield _sse_error(self._generation_failed(gen, failed))
             elif req.include_usage():
                 yield usage_event(gen.usage(prompts))
-        except Exception as e:  # the status line is sent already: report it in the stream
+        except ServerKilled:
+            yield _sse_error(self.unavailable("the server is shutting down: this stream was ended early"))
+        except Exception:  # the status line is sent already: report it in the stream
             logger.exception("streaming %s failed", gen.base_id)
-            yield _sse_error(f"internal server error: {type(e).__name__}: {e}")
+            yield _sse_error(APIError(500, f"internal server error (request id {gen.base_id})",
+                                      type="internal_error"))
         finally:
             gen.abort_unfinished()
-        yield "data: [DONE]\n\n"
 
     def _completion_chunks(self, req: CompletionRequest, gen: _Generation, prompts, prompt_texts):
         created = int(time.time())

@@ -13,7 +13,7 @@ import pytest
 from exspec.bench.equivalence import classify_divergences, first_divergence, top2_gap, top2_gaps_along
 from exspec.bench.report import NO_PLOT, write_results
 from exspec.cli.main import main
-from exspec.loadtest.reference import read_reference
+from exspec.data.reference import read_reference
 from exspec.scheduler import SchedulerConfig
 from tests.support.tiny_models import build_pair
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from exspec.cli.main import build_parser, main
-from exspec.cli.serve import load_settings
+from exspec.cli.flags import settings_from_args
 from tests.support.server_fixtures import free_port, serve_in_thread, wait_healthy
 from tests.support.tiny_models import build_pair
 
@@ -34,7 +34,7 @@ def pair(tmp_path_factory):
 
 
 def _settings(*argv: str):
-    return load_settings(build_parser("serve").parse_args(["serve", *argv]))
+    return settings_from_args(build_parser("serve").parse_args(["serve", *argv]))
 
 
 def test_defaults():
@@ -60,7 +60,7 @@ def test_env_then_flags(monkeypatch, tmp_path):
         ([], {"EXSPEC_MAX_BATCH_SIZE": "0"}, "--max-batch-size / EXSPEC_MAX_BATCH_SIZE"),
         (["--max-batch-size", "8", "--pool-size", "4"], {}, "pool_size must be >= max_batch_size"),
         (["--dtype", "int3"], {}, "dtype must be one of"),
-        (["--speculation", "psychic"], {}, "speculation must be fixed or adaptive"),
+        (["--speculation", "psychic"], {}, "speculation must be one of"),
         (["--draft-model", "/d"], {}, "draft_model needs model"),
     ],
 )
@@ -79,7 +79,7 @@ def test_missing_model_dir_is_a_clear_error(capsys, tmp_path):
 
 def test_max_model_len_beyond_the_model_is_refused(capsys, pair):
     assert main(["serve", "--model", str(pair[0]), "--max-model-len", "4096"]) == 2
-    assert "exceeds the model's position limit (1024)" in capsys.readouterr().err
+    assert "exceeds the models' position limit 1024" in capsys.readouterr().err
 
 
 def test_no_model_serves_the_demo_pair_and_the_docs_example_runs(monkeypatch, pair, capsys):

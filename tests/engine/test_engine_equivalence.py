@@ -10,10 +10,10 @@ itself (everything accepted), "disagree" the target with its head rolled by one 
 from __future__ import annotations
 
 import pytest
-from tests.support.driver import run_to_end, serve
+from tests.support.driver import admit, prefill, run_to_end, serve, step
 from tests.support.models import ARCHS, EOS, random_prompts
 
-from exspec.engine import EngineConfig, PrefillBatch, PrefillChunk, SamplingParams, SpecEngine, StepBatch
+from exspec.engine import EngineConfig, SamplingParams, SpecEngine
 
 # 104 prompts of 1 to 200 tokens in a scrambled order; tests take slices so references are shared.
 LENGTHS = [1 + (i * 73) % 200 for i in range(104)]
@@ -75,7 +75,7 @@ def test_equal_lengths_grouped_matches_target_and_identical_draft_accepts_all(mo
     assert [out.kind for out in outs] == ["prefill"] + ["grouped"] * steps
     for out in outs[1:]:
         assert out.accepted_per_position == (6,) * k
-        assert all(len(o.new_token_ids) == k + 1 and o.num_accepted == k for o in out.outputs)
+        assert all(len(o.token_ids) == k + 1 and o.num_accepted == k for o in out.outputs)
     for prompt, seq in zip(prompts, seqs):
         assert seq.output_token_ids == models.reference(arch, prompt, max_tokens, eos_token_ids=())
 
@@ -91,7 +91,7 @@ def test_equal_lengths_grouped_then_mixed_and_forced_mixed_match_target(models, 
     assert "mixed" in {out.kind for out in outs[2:]}
     assert_matches_reference(models, arch, prompts, seqs, 18)
 
-    forced, outs = run_to_end(models.engine(arch, "noisy"), prompts, params, 3, force_mixed=True)
+    forced, outs = run_to_end(models.engine(arch, "noisy", force_mixed=True), prompts, params, 3)
     assert {out.kind for out in outs[1:]} == {"mixed"}
     assert [s.output_token_ids for s in forced] == [s.output_token_ids for s in seqs]
 
@@ -105,7 +105,7 @@ def test_identical_draft_emits_k_plus_one_per_step(models, k):
     for out in outs[1:]:
         for o in out.outputs:
             assert o.num_accepted == k
-            assert len(o.new_token_ids) == k + 1 or o.finish_reason is not None
+            assert len(o.token_ids) == k + 1  # the engine never cuts; the stopping rule does
     assert_matches_reference(models, "qwen3", prompts, seqs, 20)
 
 
@@ -116,7 +116,7 @@ def test_always_disagreeing_draft_matches_target(models, arch):
     seqs, outs = run_to_end(engine, MIXED, params, 4)
     for out in outs[1:]:
         assert out.accepted_per_position == (0, 0, 0, 0)
-        assert all(len(o.new_token_ids) == 1 for o in out.outputs)
+        assert all(len(o.token_ids) == 1 for o in out.outputs)
     assert_matches_reference(models, arch, MIXED, seqs, MIXED_MAX)
 
 
@@ -132,7 +132,7 @@ def test_steps_without_speculation_match_target(models, arch, schedule):
     for i, out in enumerate(outs[1:]):
         assert out.num_draft_tokens == ks[i % len(ks)]
         if out.num_draft_tokens == 0:
-            assert all(len(o.new_token_ids) == 1 and o.num_draft_tokens == 0 for o in out.outputs)
+            assert all(len(o.token_ids) == 1 and o.num_draft_tokens == 0 for o in out.outputs)
     assert_matches_reference(models, arch, MIXED, seqs, MIXED_MAX)
     if schedule == "alternating":
         assert num_accepted(outs) > 0
@@ -151,7 +151,7 @@ def test_rows_without_speculation_mixed_with_speculating_rows(models, arch):
             if speculating[o.seq_id]:
                 assert o.num_draft_tokens == 4 and o.num_accepted == 4
             else:
-                assert o.num_draft_tokens == 0 and o.num_accepted == 0 and len(o.new_token_ids) == 1
+                assert o.num_draft_tokens == 0 and o.num_accepted == 0 and len(o.token_ids) == 1
     assert_matches_reference(models, arch, prompts, seqs, 17)
 
     # Every row opted out: the step runs without drafting at all.
@@ -182,23 +182,23 @@ def test_chunked_prefill_matches_target(models, arch):
     max_model_len = 160
     engine = models.engine(arch, "noisy", max_model_len=max_model_len)
     a, b, c, d = random_prompts([150, 60, 80, 120], seed=31)
-    sa = engine.add(a, SamplingParams(max_tokens=30))  # stops at max_model_len: 10 tokens
-    sb = engine.add(b, SamplingParams(max_tokens=12))
-    sc = engine.add(c, SamplingParams(max_tokens=12))
-    sd = engine.add(d, SamplingParams(max_tokens=12))
+    sa = admit(engine, a, SamplingParams(max_tokens=30))  # stops at max_model_len: 10 tokens
+    sb = admit(engine, b, SamplingParams(max_tokens=12))
+    sc = admit(engine, c, SamplingParams(max_tokens=12))
+    sd = admit(engine, d, SamplingParams(max_tokens=12))
 
-    out = engine.prefill(PrefillBatch((PrefillChunk(sa, 0, 40), PrefillChunk(sc, 0, 30))))  # equal starts
-    assert [o.new_token_ids for o in out.outputs] == [(), ()]
-    assert (sa.num_prefilled, sc.num_prefilled) == (40, 30)
-    out = engine.prefill(PrefillBatch((PrefillChunk(sa, 40, 100), PrefillChunk(sb, 0, 60), PrefillChunk(sc, 30, 80))))
-    assert [len(o.new_token_ids) for o in out.outputs] == [0, 1, 1]
+    out = prefill(engine, [(sa, 0, 40), (sc, 0, 30)])  # equal starts
+    assert [o.token_ids for o in out.outputs] == [(), ()]
+    assert (engine._seqs[sa.seq_id].num_prefilled, engine._seqs[sc.seq_id].num_prefilled) == (40, 30)
+    out = prefill(engine, [(sa, 40, 100), (sb, 0, 60), (sc, 30, 80)])
+    assert [len(o.token_ids) for o in out.outputs] == [0, 1, 1]
     # The last chunk starts at 100 while d's whole prompt is 120 wide: padding runs past the pool.
-    out = engine.prefill(PrefillBatch((PrefillChunk(sa, 100, 150), PrefillChunk(sd, 0, 120))))
-    assert [len(o.new_token_ids) for o in out.outputs] == [1, 1]
+    out = prefill(engine, [(sa, 100, 150), (sd, 0, 120)])
+    assert [len(o.token_ids) for o in out.outputs] == [1, 1]
 
     live = [s for s in (sa, sb, sc, sd) if not s.finished]
     while live:
-        engine.step(StepBatch(tuple(live), 4))
+        step(engine, live, 4)
         live = [s for s in live if not s.finished]
     assert sa.finish_reason == "length" and sa.length == max_model_len
     assert_matches_reference(models, arch, [a, b, c, d], [sa, sb, sc, sd], [10, 12, 12, 12])
@@ -220,8 +220,8 @@ def test_eos_finishes_sequence_and_nothing_after_it_leaks(models, arch, variant)
         assert seq.output_token_ids[-1] == EOS and EOS not in seq.output_token_ids[:-1]
         assert len(seq.output_token_ids) < 40 and seq.length == seq.prompt_len + len(seq.output_token_ids)
         last = [o for out in outs for o in out.outputs if o.seq_id == seq.seq_id][-1]
-        assert last.new_token_ids[-1] == EOS and last.finish_reason == "stop"
-        truncated += len(last.new_token_ids) < last.num_accepted + 1
+        assert EOS in last.token_ids  # the step that sampled the EOS ended the sequence
+        truncated += last.token_ids.index(EOS) < len(last.token_ids) - 1
     if variant == "same":
         assert truncated > 0  # tokens past the EOS were generated, then dropped
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.support.driver import run_to_end
+from tests.support.driver import admit, run_to_end
 from tests.support.models import EOS, random_prompts
 
 from exspec.engine import CapacityError, InvalidRequestError, SamplingParams
@@ -27,16 +27,16 @@ def test_slot_allocator_hands_out_frees_and_reuses_slots():
 
 def test_admitting_more_than_max_num_seqs_raises_capacity_error(models):
     engine = models.engine("llama", max_num_seqs=2)
-    a = engine.add([5, 6, 7], SamplingParams())
-    b = engine.add([8, 9], SamplingParams())
+    a = admit(engine, [5, 6, 7], SamplingParams())
+    b = admit(engine, [8, 9], SamplingParams())
     assert engine.num_free_slots == 0 and {a.slot, b.slot} == {0, 1}
     with pytest.raises(CapacityError, match="max_num_seqs"):
-        engine.add([10, 11], SamplingParams())
-    engine.free(a)
+        admit(engine, [10, 11], SamplingParams())
+    engine.free(a.seq_id)
     assert a.slot == -1 and engine.num_free_slots == 1
-    c = engine.add([10, 11], SamplingParams())
+    c = admit(engine, [10, 11], SamplingParams())
     assert c.slot in (0, 1) and c.slot != b.slot
-    engine.free(a)  # freeing twice is harmless
+    engine.free(a.seq_id)  # freeing twice is harmless
     assert engine.num_free_slots == 0
 
 
@@ -53,7 +53,7 @@ def test_admitting_more_than_max_num_seqs_raises_capacity_error(models):
 def test_prompts_that_can_never_run_are_rejected(models, prompt, message):
     engine = models.engine("llama", max_num_seqs=2, max_model_len=40)
     with pytest.raises(InvalidRequestError, match=message):
-        engine.add(prompt, SamplingParams())
+        admit(engine, prompt, SamplingParams())
     assert engine.num_free_slots == 2  # nothing leaked
 
 
@@ -121,7 +121,7 @@ def test_reused_slot_gives_the_same_output_as_a_fresh_engine(models, arch):
     engine = models.engine(arch, "noisy", max_num_seqs=1)
     (first,), _ = run_to_end(engine, [long_prompt], SamplingParams(max_tokens=24, ignore_eos=True), 5, free=False)
     slot = first.slot
-    engine.free(first)
+    engine.free(first.seq_id)
     (second,), _ = run_to_end(engine, [short_prompt], SamplingParams(max_tokens=24), 5, free=False)
     assert second.slot == slot == 0
     fresh_engine = models.engine(arch, "noisy", max_num_seqs=1)
@@ -142,5 +142,5 @@ def test_sequences_reaching_max_model_len_finish_with_length(models, k):
         assert seq.output_token_ids == ref
         if ref[-1] != EOS:
             assert seq.finish_reason == "length" and seq.length == max_model_len
-    assert outs[0].outputs[-1].finish_reason == "length"  # 47 + 1 token from prefill
+    assert seqs[-1].finish_reason == "length" and len(seqs[-1].output_token_ids) == 1  # 47 + 1 from prefill
     assert engine.num_free_slots == engine.num_slots

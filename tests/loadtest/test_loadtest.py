@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from exspec.loadtest.__main__ import main
-from exspec.loadtest.reference import ReferenceRow, compare_with_reference, read_reference, write_reference
+from exspec.data.reference import ReferenceRow, compare_with_reference, read_reference, write_reference
 from exspec.loadtest.report import percentile
 from exspec.loadtest.runner import LoadTestError, arrival_offsets, check_loopback
 from tests.support.server_fixtures import running_server

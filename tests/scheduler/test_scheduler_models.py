@@ -61,11 +61,11 @@ async def test_cancel_mid_stream_frees_everything(models):
 
 @pytest.mark.parametrize("force_mixed", [False, True])
 def test_offline_grouped_and_mixed_are_identical(models, force_mixed):
-    engine = models.engine("mistral", "noisy", max_num_seqs=16)
+    engine = models.engine("mistral", "noisy", max_num_seqs=16, force_mixed=force_mixed)
     rng = random.Random(3)
     prompts = random_prompts([rng.choice([3, 3, 4, 4, 9]) for _ in range(24)], seed=5)
     params = [SamplingParams(max_tokens=rng.randint(4, 24)) for _ in prompts]
-    cfg = SchedulerConfig(max_batch_size=4, pool_size=16, num_speculative_tokens=4, force_mixed=force_mixed)
+    cfg = SchedulerConfig(max_batch_size=4, pool_size=16, num_speculative_tokens=4)
     results, summary = generate_offline(engine, prompts, params, cfg)
     for p, sp, r in zip(prompts, params, results):
         assert r.token_ids == models.reference("mistral", p, sp.max_tokens)

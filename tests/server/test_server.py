@@ -358,16 +358,18 @@ def test_api_key_queue_full_and_drain(pair):
         waiting = threading.Thread(target=stream, args=("waiting",))
         waiting.start()
         _wait(lambda: s.scheduler.num_waiting == 1)
-        with pytest.raises(openai.RateLimitError):
+        with pytest.raises(openai.RateLimitError) as busy:
             client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert busy.value.response.headers["retry-after"] == "1"
 
         # SIGTERM's path: stop admitting, let both finish, then stop.
         assert s.app.state.lifecycle.drain_threadsafe(on_done=lambda: setattr(s.server, "should_exit", True))
         _wait(lambda: not s.scheduler.is_accepting)
-        assert httpx.get(s.base_url + "/health").status_code == 503
+        health = httpx.get(s.base_url + "/health")
+        assert health.status_code == 503 and health.headers["retry-after"] == "5"
         with pytest.raises(openai.InternalServerError) as e:
             client.completions.create(model="tiny", prompt="hi", max_tokens=2)
-        assert e.value.status_code == 503
+        assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "5"
         running.join(60)
         waiting.join(60)
         s.thread.join(30)

@@ -4,15 +4,15 @@ step loop that died. A fake scheduler with AsyncScheduler's interface, behind a 
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
-
+import threading
 import httpx
 import openai
 import pytest
 
 from exspec.scheduler.types import RequestOutput, StepStats
 from exspec.server.app import build_app
-from exspec.server.settings import ServeSettings
+from exspec.server.config import ServerConfig
+from exspec.server.serving import OFFLOAD_CHARS
 from tests.support.server_fixtures import serve_in_thread
 from tests.support.tiny_models import build_tokenizer
 
@@ -33,12 +33,39 @@ class FakeStream:
             yield out
 
 
+class SlowTokenizer:
+    """The tiny tokenizer, but encoding a text of SLOW_CHARS or more blocks until the test releases it
+    (blocking without the GIL, as a Rust tokenizer does), and records the thread it ran on."""
+
+    SLOW_CHARS = OFFLOAD_CHARS + 1
+
+    def __init__(self, tokenizer) -> None:
+        self._tok = tokenizer
+        self.chat_template = tokenizer.chat_template
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.threads: list[str] = []
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def encode(self, text: str, **kwargs):
+        if len(text) >= self.SLOW_CHARS:
+            self.threads.append(threading.current_thread().name)
+            self.entered.set()
+            self.release.wait(10)
+            return [5] * 2000  # longer than the fake's max_model_len: a 400, after tokenizing
+        return self._tok.encode(text, **kwargs)
+
+
 class FakeScheduler:
     """Deterministic deltas, no engine: "ab" then "cd" and length; or "ab" then a failed step."""
 
     def __init__(self, tokenizer) -> None:
-        self.engine = SimpleNamespace(tokenizer=tokenizer, max_model_len=64, eos_token_ids=(2,),
-                                      pair=SimpleNamespace(name="fake"))
+        self.tokenizer = SlowTokenizer(tokenizer)
+        self.model_name = "fake"
+        self.max_model_len = 1024  # long enough that a SLOW_CHARS text passes the characters-per-token bound
+        self.vocab_size = len(tokenizer)
         self.is_alive = True
         self.is_accepting = True
         self.num_running = self.num_waiting = 0
@@ -68,7 +95,7 @@ class FakeScheduler:
         else:
             last = RequestOutput(request_id, (42, 43), "cd", True, "length", n, 4)
         for fn in self.listeners:
-            fn(StepStats("grouped", 1, 2, 2, (1, 0), 2, 0, 0.001, 0.002, 0.003))
+            fn(StepStats("grouped", 1, 2, 2, 1, (1, 0), 2, 0, 0.001, 0.002, 0.003))
         return FakeStream(request_id, [first, last])
 
 
@@ -76,7 +103,7 @@ class FakeScheduler:
 def fake(tmp_path_factory):
     tokenizer = build_tokenizer(tmp_path_factory.mktemp("fake-tok"))
     scheduler = FakeScheduler(tokenizer)
-    with serve_in_thread(build_app(scheduler, ServeSettings(_env_file=None))) as (base, server, thread):
+    with serve_in_thread(build_app(scheduler, ServerConfig())) as (base, server, thread):
         yield base, scheduler
 
 
@@ -91,14 +118,18 @@ def test_an_exception_is_a_500_error_object_and_the_server_lives_on(fake):
     base, _ = fake
     r = httpx.post(base + "/v1/completions", json={"prompt": [BOOM, 1], "max_tokens": 4})
     assert r.status_code == 500
-    assert "exploded" in r.json()["error"]["message"] and r.json()["error"]["type"] == "internal_error"
+    err = r.json()["error"]
+    assert err["type"] == "internal_error"
+    # a generic message naming the request id; the exception's details stay in the server log
+    assert "exploded" not in err["message"] and r.headers["x-request-id"] in err["message"]
     assert httpx.post(base + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 4}).status_code == 200
 
 
 def test_failed_generation_non_stream_is_500(fake):
     base, _ = fake
     r = httpx.post(base + "/v1/completions", json={"prompt": [FAIL_MIDWAY, 1], "max_tokens": 4})
-    assert r.status_code == 500 and "internal error in the engine step" in r.json()["error"]["message"]
+    assert r.status_code == 500 and r.headers["x-request-id"] in r.json()["error"]["message"]
+    assert "engine step" not in r.json()["error"]["message"]
 
 
 def test_failed_generation_stream_sends_an_error_event(fake):
@@ -107,10 +138,11 @@ def test_failed_generation_stream_sends_an_error_event(fake):
     with httpx.stream("POST", base + "/v1/completions", json=body) as r:
         events = [line for line in r.iter_lines() if line.startswith("data:")]
     assert '"text":"ab"' in events[0]
-    assert '"error"' in events[-2] and "internal error in the engine step" in events[-2]
+    assert '"error"' in events[-2] and r.headers["x-request-id"] in events[-2]
+    assert "engine step" not in events[-2]
     assert events[-1] == "data: [DONE]"
     client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
-    with pytest.raises(openai.APIError, match="internal error in the engine step"):
+    with pytest.raises(openai.APIError, match="generation failed"):
         for _ in client.completions.create(model="fake", prompt=[FAIL_MIDWAY, 1], max_tokens=4, stream=True):
             pass
 
@@ -132,3 +164,28 @@ def test_health_turns_503_when_the_step_loop_dies(fake):
         assert r.status_code == 503 and "step loop" in r.json()["error"]["message"]
     finally:
         scheduler.is_alive = True
+
+
+def test_tokenizing_a_long_prompt_does_not_block_the_event_loop(fake):
+    """While a long prompt is being tokenized (held inside the tokenizer until the test lets go), the event
+    loop still answers /health. Were the tokenizer called on the loop, that /health could not be answered
+    before the release, and would time out."""
+    base, scheduler = fake
+    tok = scheduler.tokenizer
+    long_text = "ab " * (SlowTokenizer.SLOW_CHARS // 3 + 1)
+    bodies = [("/v1/completions", {"prompt": long_text, "max_tokens": 4}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}], "max_tokens": 4})]
+    for path, body in bodies:
+        tok.entered.clear()
+        tok.release.clear()
+        result: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: result.append(httpx.post(base + path, json=body, timeout=30)))
+        t.start()
+        try:
+            assert tok.entered.wait(10)
+            assert httpx.get(base + "/health", timeout=5).status_code == 200
+        finally:
+            tok.release.set()
+            t.join(30)
+        assert result[0].status_code == 400 and "maximum context length" in result[0].json()["error"]["message"]
+    assert len(tok.threads) == 2 and all(name.startswith("exspec-tokenize") for name in tok.threads)

@@ -9,23 +9,13 @@ Tiny random model pairs are built offline with `tiny_models.py` (once per sessio
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Sequence as Seq
 from pathlib import Path
 
 import pytest
 import torch
 
-from exspec.engine import (
-    EngineConfig,
-    ModelPair,
-    PrefillBatch,
-    PrefillChunk,
-    SamplingParams,
-    Sequence,
-    SpecEngine,
-    StepBatch,
-    StepOutput,
-)
+from exspec.engine import EngineConfig, ModelPair, SpecEngine
 from exspec.engine.loader import load_model_pair
 from tests.support import tiny_models
 

@@ -43,15 +43,15 @@ class RunningServer:
 
 @contextmanager
 def serve_in_thread(app, startup_timeout: float = 60.0):
-    """Run uvicorn on `app` in a daemon thread; yield (base_url, uvicorn.Server); stop it on exit."""
-    import uvicorn
-
+    """Run uvicorn on `app` (with exspec's connection handling, `make_server`) in a daemon thread; yield
+    (base_url, uvicorn.Server, thread); stop it on exit."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    from exspec.server.lifecycle import make_server
+
+    server = make_server(app, "127.0.0.1", port, log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + startup_timeout
@@ -70,11 +70,12 @@ def serve_in_thread(app, startup_timeout: float = 60.0):
 @contextmanager
 def running_server(target: Path, draft: Path | None, *, max_model_len: int = 128, max_batch_size: int = 4,
                    pool_size: int = 8, max_waiting: int = 64, num_speculative_tokens: int = 3, **settings):
-    """Load the pair into a SpecEngine, wrap it in an AsyncScheduler and serve it through build_app."""
+    """Load the pair into a SpecEngine, wrap it in an AsyncScheduler and serve it through build_app;
+    `settings` are ServerConfig fields."""
     from exspec.engine import EngineConfig, SpecEngine
     from exspec.scheduler import AsyncScheduler, SchedulerConfig
     from exspec.server.app import build_app
-    from exspec.server.settings import ServeSettings
+    from exspec.server.config import ServerConfig
 
     engine = SpecEngine(
         EngineConfig(model=target, draft_model=draft, max_num_seqs=pool_size, max_model_len=max_model_len,
@@ -85,7 +86,7 @@ def running_server(target: Path, draft: Path | None, *, max_model_len: int = 128
         SchedulerConfig(max_batch_size=max_batch_size, pool_size=pool_size, max_waiting=max_waiting,
                         num_speculative_tokens=num_speculative_tokens),
     )
-    app = build_app(scheduler, ServeSettings(_env_file=None, **settings))
+    app = build_app(scheduler, ServerConfig(**settings))
     with serve_in_thread(app) as (base_url, server, thread):
         yield RunningServer(base_url, app, scheduler, engine, server, thread)
 

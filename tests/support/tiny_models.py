@@ -47,14 +47,16 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 320):
     return fast
 
 
-def make_config(arch: str, vocab_size: int, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2):
+def make_config(
+    arch: str, vocab_size: int, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, positions: int = 1024
+):
     from transformers import AutoConfig
 
     common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=3)
     if arch == "gpt2":
         # Untied: a tied head scaled below would make the model repeat its last input token.
         return AutoConfig.for_model(
-            "gpt2", n_layer=layers, n_embd=hidden, n_head=heads, n_positions=1024, tie_word_embeddings=False, **common
+            "gpt2", n_layer=layers, n_embd=hidden, n_head=heads, n_positions=positions, tie_word_embeddings=False, **common
         )
     extra = dict(
         hidden_size=hidden,
@@ -62,7 +64,7 @@ def make_config(arch: str, vocab_size: int, layers: int = 2, hidden: int = 64, h
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=1024,
+        max_position_embeddings=positions,
         tie_word_embeddings=False,
     )
     if arch == "mistral":
@@ -87,16 +89,18 @@ def build_model(arch: str, out_dir: Path, tokenizer_dir: Path, seed: int, vocab_
     return out_dir
 
 
-def build_pair(root: Path, arch: str, draft_same: bool = False, draft_vocab_pad: int = 0, vocab_size: int = 320):
+def build_pair(
+    root: Path, arch: str, draft_same: bool = False, draft_vocab_pad: int = 0, vocab_size: int = 320, **kw
+):
     """Write root/tok, root/<arch>-target and root/<arch>-draft; return (target_dir, draft_dir)."""
     tok_dir = root / "tok"
     if not (tok_dir / "tokenizer.json").exists():
         build_tokenizer(tok_dir, vocab_size)
-    target = build_model(arch, root / f"{arch}-target", tok_dir, seed=1, vocab_size=vocab_size, layers=2)
+    target = build_model(arch, root / f"{arch}-target", tok_dir, seed=1, vocab_size=vocab_size, layers=2, **kw)
     if draft_same:
         return target, target
     draft = build_model(
-        arch, root / f"{arch}-draft", tok_dir, seed=2, vocab_size=vocab_size + draft_vocab_pad, layers=1
+        arch, root / f"{arch}-draft", tok_dir, seed=2, vocab_size=vocab_size + draft_vocab_pad, layers=1, **kw
     )
     return target, draft
 

@@ -16,7 +16,8 @@ started with `--num-speculative-tokens 0` to record the target alone; no gaps). 
 Greedy output equivalence: an output equals its reference token for token. When it does not, the first
 differing position is a *near-tie* if the reference's top-2 gap there is below `near_tie_eps` (batched
 kernels reduce in another order, and that can flip an argmax so close), *real* if it is not, and
-*unclassified* when the reference carries no gaps. Torch-free: the load test reads this without a model.
+*unclassified* when the reference carries no gaps. Torch-free: the load test reads this without a model, the
+offline benchmark writes it (both import it from here: neither may import the other).
 """
 
 from __future__ import annotations

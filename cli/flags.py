@@ -1,0 +1,76 @@
+"""The flags every command shares, one per `exspec.config.Settings` field: `--x-y` for field `x_y`, which
+the variable `EXSPEC_X_Y` also sets (a flag wins). No defaults here: `Settings` holds them, once."""
+
+from __future__ import annotations
+
+import argparse
+
+from exspec.config import DTYPES, SPECULATION_MODES, Settings, load_settings
+
+# settings field -> (metavar, help)
+FLAGS = {
+    "model": ("DIR", "target model directory (Hugging Face format); default: the built-in demo pair"),
+    "draft_model": ("DIR", "draft model directory; with --model and no draft, decoding is plain (no speculation)"),
+    "served_model_name": ("NAME", "model name clients pass; default: the target directory's name "
+                                  "('exspec-demo' for the demo pair)"),
+    "device": ("DEVICE", "auto | cpu | cuda | cuda:N (default auto: cuda when available)"),
+    "dtype": ("DTYPE", f"one of {', '.join(DTYPES)} (default auto: bfloat16 on CUDA, float32 on CPU)"),
+    "max_model_len": ("L", "prompt + generated tokens per sequence (default: the smaller position limit of the "
+                           "target and the draft, from their config.json)"),
+    "num_speculative_tokens": ("K", "draft tokens per step (the largest k under an adaptive policy; default 4); "
+                                    "0 decodes without speculation"),
+    "speculation": ("MODE", f"{' | '.join(SPECULATION_MODES)}: how k is chosen per step "
+                            f"(default {Settings.model_fields['speculation'].default})"),
+    "max_batch_size": ("B", "sequences per speculative step (default 8)"),
+    "pool_size": ("W", "live sequences (KV slots) the pool holds, W >= B (default 4 x B)"),
+    "max_waiting": ("N", "requests queued beyond the pool before the server answers 429 (default 256)"),
+    "host": ("HOST", "address to listen on (default 127.0.0.1)"),
+    "port": ("PORT", "port to listen on (default 8000)"),
+    "api_key": ("KEY", "require 'Authorization: Bearer KEY' on /v1/* (default: no key)"),
+    "shutdown_timeout": ("SECONDS", "on SIGTERM, how long running requests get to finish before they are aborted "
+                                    "(default 30)"),
+    "log_level": ("LEVEL", "critical | error | warning | info | debug (default info)"),
+    "max_body_bytes": ("BYTES", "request bodies above this are answered 413 (default 2097152, 2 MiB)"),
+    "body_read_timeout": ("SECONDS", "time a client gets to send a whole request body, else 408 (default 30)"),
+    "keep_alive_timeout": ("SECONDS", "an idle connection, or one not finishing its headers, is closed (default 5)"),
+    "max_n": ("N", "choices per request, n and best_of (default 16)"),
+    "max_prompts": ("N", "prompts in one /v1/completions request (default 64)"),
+    "max_prompt_chars": ("N", "characters per prompt, and per chat request over all messages (default 1000000)"),
+    "max_messages": ("N", "messages per chat request (default 1024)"),
+    "max_stop": ("N", "stop strings per request (default 16)"),
+    "max_stop_chars": ("N", "characters per stop string (default 1024)"),
+    "max_stop_token_ids": ("N", "stop_token_ids per request (default 256)"),
+}
+# The fields of the model pair, the engine and the scheduler: serve, generate and bench take these.
+ENGINE_FIELDS = (
+    "model", "draft_model", "device", "dtype", "max_model_len", "num_speculative_tokens", "speculation",
+    "max_batch_size", "pool_size",
+)
+
+
+def flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, fields=tuple(FLAGS)) -> None:
+    for field in fields:
+        metavar, help_text = FLAGS[field]
+        env = "EXSPEC_" + field.upper()
+        # No default: an absent flag leaves the field to its environment variable, then to Settings' default.
+        parser.add_argument(flag(field), dest=field, default=None, metavar=metavar, help=f"{help_text} [env {env}]")
+
+
+def settings_from_args(args: argparse.Namespace, fields=tuple(FLAGS)) -> Settings:
+    """Raises exspec.errors.ConfigError naming each bad flag / variable."""
+    return load_settings({f: getattr(args, f) for f in fields if getattr(args, f, None) is not None})
+
+
+def resolve_models(settings: Settings):
+    """(target, draft, served name): the given pair, or the built-in demo pair (built on first use)."""
+    if settings.model is not None:
+        name = settings.served_model_name or settings.model.resolve().name
+        return settings.model, settings.draft_model, name
+    from exspec.demo.build import ensure_demo_pair
+
+    target, draft = ensure_demo_pair(progress=True)
+    return target, draft, settings.served_model_name or "exspec-demo"

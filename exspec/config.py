@@ -1,0 +1,239 @@
+"""Configuration, resolved once: `Settings` (flags and `EXSPEC_*` variables, pydantic at the edge) and
+`resolve`, which derives the engine's and the scheduler's frozen configs from them and from the models' own
+configs. `exspec serve`, `exspec generate` and `exspec bench` all go through here, so they share every default.
+
+Kept free of torch at import time, so that `exspec --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from exspec.errors import ConfigError
+
+if TYPE_CHECKING:
+    from exspec.engine.config import EngineConfig
+    from exspec.scheduler.types import SchedulerConfig
+
+DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+SPECULATION_MODES = ("fixed", "adaptive")
+DEFAULT_SPECULATION = "fixed"  # the scheduler's own default (SchedulerConfig.speculation)
+# config.json keys that declare a model's position limit, in the order they are looked for.
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+class Settings(BaseSettings):
+    """Everything a command may be told. Field `x_y` is flag `--x-y` and variable `EXSPEC_X_Y` (a flag wins)."""
+
+    model_config = SettingsConfigDict(env_prefix="EXSPEC_", env_ignore_empty=True, extra="ignore")
+
+    # the model pair
+    model: Path | None = None  # target model directory; None: the built-in demo pair
+    draft_model: Path | None = None  # draft model directory; None with --model: plain decoding
+    served_model_name: str | None = None  # default: the target directory's name ("exspec-demo" for the demo)
+    # the engine
+    device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (bfloat16 on cuda, float32 on cpu) or one of DTYPES
+    max_model_len: int | None = Field(default=None, ge=2)  # default: the smaller position limit of the two models
+    num_speculative_tokens: int = Field(default=4, ge=0, le=32)  # k (the largest k under an adaptive policy)
+    # the scheduler
+    speculation: str = DEFAULT_SPECULATION
+    max_batch_size: int = Field(default=8, ge=1, le=4096)  # B: sequences per speculative step
+    pool_size: int | None = Field(default=None, ge=1, le=65536)  # W: live sequences (KV slots); default 4 x B
+    max_waiting: int = Field(default=256, ge=1)  # queued requests beyond which the server answers 429
+    # the server
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    shutdown_timeout: float = Field(default=30.0, ge=0)  # seconds running requests get to finish on SIGTERM
+    log_level: str = "info"
+    # the server's limits (exspec.server.config.ServerConfig; docs/SERVER.md lists them all)
+    max_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1, le=2**63 - 1)  # larger bodies: 413
+    body_read_timeout: float = Field(default=30.0, gt=0)  # seconds to send a whole body, else 408
+    keep_alive_timeout: float = Field(default=5.0, gt=0)  # idle connection (or unfinished headers): closed
+    max_n: int = Field(default=16, ge=1, le=2**63 - 1)  # choices per request (n, best_of)
+    max_prompts: int = Field(default=64, ge=1, le=2**63 - 1)  # prompts in one completions request
+    max_prompt_chars: int = Field(default=1_000_000, ge=1, le=2**63 - 1)  # per prompt / per chat request
+    max_messages: int = Field(default=1024, ge=1, le=2**63 - 1)  # messages per chat request
+    max_stop: int = Field(default=16, ge=1, le=2**63 - 1)  # stop strings per request
+    max_stop_chars: int = Field(default=1024, ge=1, le=2**63 - 1)  # characters per stop string
+    max_stop_token_ids: int = Field(default=256, ge=0, le=2**63 - 1)  # stop_token_ids per request
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.pool_size is not None and self.pool_size < self.max_batch_size:
+            raise ValueError(f"pool_size must be >= max_batch_size ({self.max_batch_size}), got {self.pool_size}")
+        cuda_n = self.device.startswith("cuda:") and self.device[5:].isdigit()
+        if not (self.device in ("auto", "cpu", "cuda") or cuda_n):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.speculation not in SPECULATION_MODES:
+            raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
+        if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
+            raise ValueError(
+                f"log_level must be critical, error, warning, info, debug or trace, got {self.log_level!r}"
+            )
+        if self.draft_model is not None and self.model is None:
+            raise ValueError("draft_model needs model (without --model the built-in demo pair is used)")
+        return self
+
+    @property
+    def resolved_pool_size(self) -> int:
+        return self.pool_size if self.pool_size is not None else 4 * self.max_batch_size
+
+
+def load_settings(given: dict) -> Settings:
+    """Flags (`given`, absent ones left out) over EXSPEC_* variables over defaults. Raises ConfigError with a
+    message naming each bad flag and its variable."""
+    try:
+        return Settings(**given)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = [str(x) for x in err.get("loc", ())]
+            msg = err.get("msg", "invalid").removeprefix("Value error, ")
+            if loc:
+                field = loc[0]
+                lines.append(f"--{field.replace('_', '-')} / EXSPEC_{field.upper()}: {msg} (got {err.get('input')!r})")
+            else:
+                lines.append(msg)
+        raise ConfigError("invalid settings:\n  " + "\n  ".join(lines)) from None
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    engine: EngineConfig
+    scheduler: SchedulerConfig
+    position_limit: int | None  # the smaller position limit the two models declare, if any
+
+
+def position_limit(model_dir: Path | None) -> int | None:
+    """The number of positions a model's config.json declares (learned or trained), or None."""
+    if model_dir is None:
+        return None
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # the loader reports a missing or broken config clearly
+    cfg = cfg.get("text_config", cfg)
+    for key in POSITION_KEYS:
+        if isinstance(cfg.get(key), int) and cfg[key] > 0:
+            return cfg[key]
+    return None
+
+
+def resolve_device(device: str, dtype: str) -> tuple[str, str]:
+    """`auto` device: cuda when torch sees one; `auto` dtype: bfloat16 on cuda, float32 on cpu."""
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    return device, dtype
+
+
+def resolve(
+    settings: Settings,
+    target: Path,
+    draft: Path | None,
+    *,
+    max_waiting: int | None = None,
+    force_mixed: bool = False,
+) -> ResolvedConfig:
+    """The engine's and the scheduler's configs for this pair. max_model_len defaults to the smaller position
+    limit of the target and the draft; a larger value is an error naming the limit. k = 0 drops the draft."""
+    from exspec.engine.config import EngineConfig
+    from exspec.scheduler.types import SchedulerConfig
+
+    k = settings.num_speculative_tokens
+    if k == 0:
+        draft = None
+    limits = {role: position_limit(d) for role, d in (("target", target), ("draft", draft)) if d is not None}
+    known = {role: n for role, n in limits.items() if n is not None}
+    limit = min(known.values()) if known else None
+    max_len = settings.max_model_len
+    if max_len is None:
+        max_len = limit if limit is not None else 2048
+    elif limit is not None and max_len > limit:
+        which = ", ".join(f"{role} {n}" for role, n in known.items())
+        raise ConfigError(f"max_model_len {max_len} exceeds the models' position limit {limit} ({which}): lower it")
+    device, dtype = resolve_device(settings.device, settings.dtype)
+    pool = settings.resolved_pool_size
+    engine = EngineConfig(
+        model=Path(target),
+        draft_model=Path(draft) if draft is not None else None,
+        device=device,
+        dtype=dtype,
+        max_num_seqs=pool,
+        max_model_len=max_len,
+        max_num_speculative_tokens=k,
+        force_mixed=force_mixed,
+    )
+    _check_pool_memory(engine, target, draft)
+    scheduler = SchedulerConfig(
+        max_batch_size=settings.max_batch_size,
+        pool_size=pool,
+        max_waiting=max_waiting if max_waiting is not None else settings.max_waiting,
+        num_speculative_tokens=k,
+        speculation=settings.speculation,
+    )
+    return ResolvedConfig(engine=engine, scheduler=scheduler, position_limit=limit)
+
+
+def kv_pool_bytes(model_dir: Path, slots: int, positions: int, dtype_bytes: int) -> int | None:
+    """Bytes of one model's K and V pools: 2 x layers x kv_heads x head_dim x slots x positions x dtype."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    cfg = cfg.get("text_config", cfg)
+    layers = cfg.get("num_hidden_layers", cfg.get("n_layer"))
+    heads = cfg.get("num_attention_heads", cfg.get("n_head"))
+    hidden = cfg.get("hidden_size", cfg.get("n_embd"))
+    if not all(isinstance(v, int) and v > 0 for v in (layers, heads, hidden)):
+        return None
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or hidden // heads
+    return 2 * layers * kv_heads * head_dim * slots * positions * dtype_bytes
+
+
+def _available_memory(device: str) -> int | None:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _check_pool_memory(engine: EngineConfig, target: Path, draft: Path | None) -> None:
+    """Refuse, with the figures, KV pools that cannot fit: a model's full context (e.g. 131072 positions)
+    times the pool's slots can be far more memory than the machine has. EXSPEC_SKIP_MEMORY_CHECK=1 skips it."""
+    if os.environ.get("EXSPEC_SKIP_MEMORY_CHECK"):
+        return
+    dtype_bytes = 4 if engine.dtype in ("float32", "fp32") else 2
+    positions = engine.max_model_len + engine.max_num_speculative_tokens + 1
+    sizes = [kv_pool_bytes(d, engine.max_num_seqs, positions, dtype_bytes) for d in (target, draft) if d is not None]
+    need = sum(s for s in sizes if s)
+    have = _available_memory(engine.device)
+    if have is not None and need > 0.8 * have:
+        raise ConfigError(
+            f"the KV pools for {engine.max_num_seqs} slots x {engine.max_model_len} positions need "
+            f"{need / 2**30:.1f} GiB, more than 80% of the {have / 2**30:.1f} GiB available on {engine.device}: "
+            "lower --max-model-len or --pool-size / --max-batch-size"
+        )

@@ -1,0 +1,77 @@
+"""Config resolved once (issue 10) from the models' own configs (issue 12): no model is loaded here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from exspec.config import Settings, load_settings, position_limit, resolve
+from exspec.errors import ConfigError
+
+
+def _model(path, **cfg):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2,
+                                                  "num_attention_heads": 4, "hidden_size": 64, **cfg}))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("EXSPEC_"):
+            monkeypatch.delenv(key)
+
+
+def test_max_model_len_defaults_to_the_smaller_limit_of_the_pair(tmp_path):
+    target = _model(tmp_path / "t", max_position_embeddings=1024)
+    draft = _model(tmp_path / "d", n_positions=512)
+    cfg = resolve(Settings(), target, draft)
+    assert cfg.engine.max_model_len == cfg.position_limit == 512
+    assert cfg.engine.max_num_speculative_tokens == 4 and cfg.scheduler.num_speculative_tokens == 4
+    assert (cfg.engine.device, cfg.engine.dtype) == ("cpu", "float32")  # auto on a CPU-only machine
+    assert cfg.engine.max_num_seqs == cfg.scheduler.pool_size == 32
+
+
+def test_a_length_above_the_limit_names_the_limit(tmp_path):
+    target = _model(tmp_path / "t", max_position_embeddings=1024)
+    draft = _model(tmp_path / "d", max_position_embeddings=256)
+    with pytest.raises(ConfigError, match="position limit 256 .*draft 256"):
+        resolve(Settings(max_model_len=300), target, draft)
+    assert resolve(Settings(max_model_len=256), target, draft).engine.max_model_len == 256
+    # k = 0 drops the draft, and with it the draft's limit.
+    assert resolve(Settings(max_model_len=1000, num_speculative_tokens=0), target, draft).engine.draft_model is None
+
+
+def test_pools_that_cannot_fit_are_refused_with_the_figures(tmp_path):
+    target = _model(tmp_path / "t", max_position_embeddings=131072, hidden_size=4096, num_attention_heads=32,
+                    num_key_value_heads=8, num_hidden_layers=32)
+    with pytest.raises(ConfigError, match="KV pools for 32 slots x 131072 positions need .* GiB"):
+        resolve(Settings(), target, None)
+
+
+def test_every_command_shares_the_defaults(monkeypatch):
+    monkeypatch.setenv("EXSPEC_NUM_SPECULATIVE_TOKENS", "3")
+    s = load_settings({"max_batch_size": 2})
+    assert (s.num_speculative_tokens, s.max_batch_size, s.resolved_pool_size, s.device, s.dtype) == (3, 2, 8, "auto", "auto")
+    with pytest.raises(ConfigError, match="--max-batch-size / EXSPEC_MAX_BATCH_SIZE"):
+        load_settings({"max_batch_size": 0})
+
+
+def test_position_limit_reads_every_known_key(tmp_path):
+    assert position_limit(_model(tmp_path / "a", n_positions=64)) == 64
+    assert position_limit(_model(tmp_path / "b", max_position_embeddings=4096)) == 4096
+    assert position_limit(_model(tmp_path / "c")) is None
+    assert position_limit(tmp_path / "missing") is None
+
+
+def test_version_and_fast_help(capsys):
+    from exspec import __version__
+    from exspec.cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"exspec {__version__}"
