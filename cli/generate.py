@@ -73,7 +73,7 @@ def read_prompts(path: Path) -> list[str | list[int]]:
 def resolve_models(args) -> tuple[Path, Path | None]:
     if args.model is not None:
         return args.model, args.draft_model
-    from exspec.demo.build import ensure_demo_pair
+    from exspec.demo import ensure_demo_pair
 
     target, draft = ensure_demo_pair(progress=True)
     return target, (args.draft_model or draft)

@@ -114,7 +114,7 @@ def build_server(settings: ServeSettings):
 
     target, draft, name = settings.model, settings.draft_model, settings.served_model_name
     if target is None:
-        from exspec.demo.build import ensure_demo_pair
+        from exspec.demo import ensure_demo_pair
 
         logger.info("no --model: serving the built-in demo pair (built on first use, then cached)")
         target, draft = ensure_demo_pair(progress=True)
