@@ -78,14 +78,15 @@ class _Phases:
     """Times named phases (wall seconds) and announces each one."""
 
     def __init__(self, say):
-        self.say, self.seconds = say, {}
+        self.say, self.seconds, self.cpu_seconds = say, {}, {}
 
     @contextlib.contextmanager
     def __call__(self, name: str, message: str):
         self.say(message)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         yield
         self.seconds[name] = round(time.perf_counter() - t0, 1)
+        self.cpu_seconds[name] = round(time.process_time() - cpu0, 1)  # all threads of this process
 
 
 @contextlib.contextmanager
@@ -123,6 +124,9 @@ def _build_into(tmp: Path, r: DemoRecipe, *, seed: int, scale: str, progress: bo
             with phase("train", f"{tokens.numel()} tokens; training target and draft for {r.steps} steps"):
                 target, draft, log = train_pair(tokens, r, seed, progress, tuner)
             with phase("continue", f"the target continues {r.distill_prompts} prompts"):
+                # One thread: generate() runs many small ops, and threads that meet at each of them cost ten
+                # times the CPU once other processes share the cores (measured: docs/DEMO.md).
+                torch.set_num_threads(1)
                 prompts = distill_prompt_texts(seed, r.distill_prompts)
                 sequences = continue_prompts(target, tokenizer, prompts, r.distill_new_tokens, progress)
             with phase("distill", f"distilling the draft for {r.distill_steps} steps"):
@@ -148,6 +152,7 @@ def _build_into(tmp: Path, r: DemoRecipe, *, seed: int, scale: str, progress: bo
         "build_seconds": round(time.perf_counter() - t0, 1),
         "build_cpu_seconds": round(time.process_time() - cpu0, 1),
         "phase_seconds": phase.seconds,
+        "phase_cpu_seconds": phase.cpu_seconds,
         "build_threads": build_threads,
         "steps_per_thread_count": {str(n): c for n, c in sorted(tuner.used.items())},
         "python": sys.version.split()[0],

@@ -18,6 +18,14 @@ SLOW_FACTOR = 3.0  # a step this many times slower than the fastest one at the s
 HOLD_STEPS = 60  # after such a step, stay at one thread at least this many steps
 
 
+def _cores() -> int:
+    """CPU cores this process may run on (its affinity mask, else all)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _load() -> float | None:
     try:
         return os.getloadavg()[0]  # 1-minute average of runnable tasks, ours included
@@ -27,7 +35,7 @@ def _load() -> float | None:
 
 def build_threads(limit: int) -> int:
     """Threads to start with: up to `limit`, but 1 when other processes already keep half the cores busy."""
-    cores = os.cpu_count() or 1
+    cores = _cores()
     load = _load()
     busy = load is not None and load > cores / 2
     return 1 if busy else max(1, min(limit, cores))
@@ -43,7 +51,7 @@ class ThreadTuner:
     """
 
     def __init__(self, limit: int):
-        self.limit = max(1, min(limit, os.cpu_count() or 1))
+        self.limit = max(1, min(limit, _cores()))
         self.current = build_threads(self.limit)
         self.used: dict[int, int] = {}
         self._steps = 0
@@ -78,5 +86,4 @@ class ThreadTuner:
         if load is None:
             return
         others = max(0.0, load - n)
-        cores = os.cpu_count() or 1
-        self.current = self.limit if others < cores / 2 else 1
+        self.current = self.limit if others < _cores() / 2 else 1

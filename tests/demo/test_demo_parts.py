@@ -90,7 +90,7 @@ class _Clock:
     def __init__(self, monkeypatch, load: float, cores: int = 2):
         self.load = load
         monkeypatch.setattr(threads, "_load", lambda: self.load)
-        monkeypatch.setattr(threads.os, "cpu_count", lambda: cores)
+        monkeypatch.setattr(threads, "_cores", lambda: cores)
 
 
 def test_thread_tuner_starts_from_the_load(monkeypatch):
