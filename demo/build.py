@@ -11,7 +11,7 @@ No model hub is needed. `build_demo_pair` runs, from nothing but the installed p
 
 The pair is deterministic given a seed (seeded RNGs, a corpus read in sorted order) on one software
 stack; the standard library text differs between Python versions. Each phase's seconds are recorded in
-the marker (`phase_seconds`).
+the marker (`phase_seconds`, `phase_cpu_seconds`).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def _say(msg: str) -> None:
 
 
 class _Phases:
-    """Times named phases (wall seconds) and announces each one."""
+    """Times named phases (wall and CPU seconds) and announces each one."""
 
     def __init__(self, say):
         self.say, self.seconds, self.cpu_seconds = say, {}, {}
