@@ -1,4 +1,5 @@
-"""`exspec demo-models`: build the built-in demo target/draft pair offline (or report the cached one)."""
+"""`exspec demo-models`: build the built-in demo target/draft pair offline (or report the cached one);
+`--show` only says where the pair and its tokenizer are and whether they are built."""
 
 from __future__ import annotations
 
@@ -15,16 +16,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="rebuild even if a complete pair is cached")
     parser.add_argument("--seed", type=int, default=0, help="training seed (default: 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
+    parser.add_argument(
+        "--show", action="store_true",
+        help="print where the target, draft and tokenizer are and whether they are built; build nothing",
+    )
     # Tests build a tiny pair in seconds with --scale test.
     parser.add_argument("--scale", default="full", choices=("full", "test"), help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
-    from exspec.demo.build import DemoBuildError, build_demo_pair, cached_pair, default_demo_dir
+    from exspec.demo import DemoBuildError, build_demo_pair, cached_pair, default_demo_dir, locate_pair
 
     if args.seed < 0:
         raise DemoBuildError(f"--seed must be >= 0, got {args.seed}")
     out = args.out if args.out is not None else default_demo_dir()
+    if args.show:
+        if args.force:
+            raise DemoBuildError("--show builds nothing: it cannot be combined with --force")
+        where = locate_pair(out, seed=args.seed, scale=args.scale)
+        print(f"target:    {where.target}")
+        print(f"draft:     {where.draft}")
+        print(f"tokenizer: {where.tokenizer}")
+        print(f"built:     {'yes' if where.built else 'no'}")
+        if where.note:
+            print(f"exspec demo-models: {where.note}", file=sys.stderr)
+        return 0
     reused = not args.force and cached_pair(out, seed=args.seed, scale=args.scale) is not None
     t0 = time.perf_counter()
     target, draft = build_demo_pair(out, seed=args.seed, force=args.force, progress=not args.quiet, scale=args.scale)

@@ -70,7 +70,7 @@ def resolve_models(settings: Settings):
     if settings.model is not None:
         name = settings.served_model_name or settings.model.resolve().name
         return settings.model, settings.draft_model, name
-    from exspec.demo.build import ensure_demo_pair
+    from exspec.demo import ensure_demo_pair
 
     target, draft = ensure_demo_pair(progress=True)
     return target, draft, settings.served_model_name or "exspec-demo"

@@ -85,10 +85,10 @@ def test_max_model_len_beyond_the_model_is_refused(capsys, pair):
 def test_no_model_serves_the_demo_pair_and_the_docs_example_runs(monkeypatch, pair, capsys):
     """Without --model: the demo pair (a tiny stand-in here), named exspec-demo; docs/SERVER.md's client
     example then runs against it as written, but for the port."""
-    import exspec.demo.build as demo_build
+    import exspec.demo
     from exspec.cli.serve import build_server
 
-    monkeypatch.setattr(demo_build, "ensure_demo_pair", lambda progress=True: pair)
+    monkeypatch.setattr(exspec.demo, "ensure_demo_pair", lambda progress=True: pair)
     server = build_server(_settings("--max-model-len", "160"))
     app = server.config.app
     assert app.state.model_name == "exspec-demo"

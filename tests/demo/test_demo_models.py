@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from exspec.demo import build as demo
-from exspec.demo.build import EOS_ID, MARKER, build_demo_pair, cached_pair, default_demo_dir, ensure_demo_pair
+from exspec.demo import DemoBuildError, build, measure, threads
+from exspec.demo import EOS_ID, MARKER, build_demo_pair, cached_pair, default_demo_dir, ensure_demo_pair
+from exspec.demo.tokenizer import chat_ids
 from exspec.cli import main as cli
 
 
@@ -38,7 +39,7 @@ def _greedy(model_dir: Path, text: str, n: int = 12) -> list[int]:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    ids = torch.tensor([demo._chat_ids(tok, text)])
+    ids = torch.tensor([chat_ids(tok, text)])
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, min_new_tokens=n)
     return out[0, ids.shape[1] :].tolist()
@@ -70,7 +71,7 @@ def test_pair_loads_with_auto_classes_and_chat_template(pair):
         assert model.config.vocab_size >= len(tok)
         text = tok.apply_chat_template([{"role": "user", "content": "Hi there"}], add_generation_prompt=True, tokenize=False)
         assert text == "<|user|>Hi there<|end|><|assistant|>"
-        ids = demo._chat_ids(tok, "Hi there")
+        ids = chat_ids(tok, "Hi there")
         assert tok.decode(ids) == text
     assert AutoTokenizer.from_pretrained(target_dir).get_vocab() == AutoTokenizer.from_pretrained(draft_dir).get_vocab()
     t = AutoModelForCausalLM.from_pretrained(target_dir)
@@ -91,7 +92,7 @@ def test_same_seed_same_weights_and_greedy_output(pair, tmp_path):
 
 
 def test_weights_do_not_depend_on_build_threads(pair, tmp_path, monkeypatch):
-    monkeypatch.setattr(demo, "_build_threads", lambda limit: 2)
+    monkeypatch.setattr(threads, "build_threads", lambda limit: 2)
     two = build_demo_pair(tmp_path / "two", seed=0, progress=False, scale="test")
     assert json.loads((tmp_path / "two" / MARKER).read_text())["build_threads"] == 2
     for a, b in zip(pair, two):
@@ -100,9 +101,9 @@ def test_weights_do_not_depend_on_build_threads(pair, tmp_path, monkeypatch):
 
 
 def test_pair_runs_in_the_engine(pair):
-    out = demo.measure_acceptance(*pair, num_prompts=2, max_tokens=6, k=3, batch_size=2)
+    out = measure.measure_acceptance(*pair, num_prompts=2, max_tokens=6, k=3, batch_size=2)
     assert 1.0 <= out["mean_acceptance_length"] <= 4.0
-    ag = demo.measure_agreement(*pair, num_prompts=2, max_tokens=6)
+    ag = measure.measure_agreement(*pair, num_prompts=2, max_tokens=6)
     assert 0.0 <= ag["agreement"] <= 1.0 and ag["positions"] > 0
     assert out["outputs"] == ag["continuations"]  # the engine reproduces the target's greedy output
 
@@ -116,7 +117,7 @@ def test_ensure_reuses_the_cache(monkeypatch):
     def no_rebuild(*a, **k):
         raise AssertionError("rebuilt a cached pair")
 
-    monkeypatch.setattr(demo, "_build_into", no_rebuild)
+    monkeypatch.setattr(build, "_build_into", no_rebuild)
     assert ensure_demo_pair(progress=False, scale="test") == (target, draft)
     assert marker.stat().st_mtime_ns == stamp
 
@@ -137,7 +138,7 @@ def test_foreign_directory_is_not_overwritten(tmp_path):
     out = tmp_path / "pair"
     (out / "target").mkdir(parents=True)
     (out / "target" / "mine.txt").write_text("keep me")
-    with pytest.raises(demo.DemoBuildError, match="not written by exspec"):
+    with pytest.raises(DemoBuildError, match="not written by exspec"):
         build_demo_pair(out, progress=False, scale="test")
     assert (out / "target" / "mine.txt").read_text() == "keep me"
 

@@ -1,0 +1,83 @@
+"""What decides the demo pair's weights besides the seed and the corpus: model shapes and training recipes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from exspec.errors import ExspecError
+
+FORMAT_VERSION = 3  # bump when anything that changes the weights changes: older caches are rebuilt, never reused
+
+
+class DemoBuildError(ExspecError):
+    """The demo pair cannot be built or written (unwritable directory, foreign files in the way)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int  # hidden size
+    layers: int  # decoder layers
+    intermediate: int  # SwiGLU width
+    heads: int  # attention heads (head_dim = hidden // heads)
+    kv_heads: int  # key/value heads (grouped-query attention)
+
+
+@dataclass(frozen=True)
+class DemoRecipe:
+    """Everything that decides the pair's weights, besides the seed and the corpus."""
+
+    vocab_size: int  # BPE vocabulary, specials included
+    target: ModelShape
+    draft: ModelShape
+    seq_len: int  # training window in tokens
+    batch_size: int  # windows per step
+    steps: int  # optimizer steps (target and draft step together)
+    lr: float  # peak AdamW learning rate of both models; linear warm-up, cosine decay to lr / 10
+    warmup: int  # warm-up steps
+    corpus_chars: int  # the corpus is cut to about this many characters
+    distill_prompts: int  # prompts the target continues for the draft's second phase
+    distill_new_tokens: int  # tokens the target generates per prompt (greedy for half, sampled for half)
+    distill_steps: int  # draft-only steps on those continuations
+    threads: int  # torch intra-op threads at most while building (fewer when the cores are busy; see threads.py)
+
+
+RECIPES = {
+    "full": DemoRecipe(
+        vocab_size=2048,
+        target=ModelShape(hidden=256, layers=4, intermediate=768, heads=4, kv_heads=2),
+        draft=ModelShape(hidden=128, layers=1, intermediate=384, heads=2, kv_heads=1),
+        seq_len=128,
+        batch_size=8,
+        steps=480,
+        lr=3e-3,
+        warmup=30,
+        corpus_chars=1_200_000,
+        distill_prompts=192,
+        distill_new_tokens=64,
+        distill_steps=400,
+        threads=2,
+    ),
+    # Seconds, for tests: same code path, tiny models.
+    "test": DemoRecipe(
+        vocab_size=384,
+        target=ModelShape(hidden=32, layers=2, intermediate=64, heads=2, kv_heads=1),
+        draft=ModelShape(hidden=16, layers=1, intermediate=32, heads=1, kv_heads=1),
+        seq_len=64,
+        batch_size=4,
+        steps=8,
+        lr=3e-3,
+        warmup=2,
+        corpus_chars=40_000,
+        distill_prompts=4,
+        distill_new_tokens=8,
+        distill_steps=3,
+        threads=1,
+    ),
+}
+
+
+def recipe_for(scale: str) -> DemoRecipe:
+    """The recipe of `scale`, or DemoBuildError naming the allowed scales."""
+    if scale not in RECIPES:
+        raise DemoBuildError(f"scale must be one of {sorted(RECIPES)}, got {scale!r}")
+    return RECIPES[scale]

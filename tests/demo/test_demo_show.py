@@ -1,0 +1,57 @@
+"""`exspec demo-models --show`: where the target, draft and tokenizer are, and whether they are built,
+without building anything (a tool needing a tokenizer path reads the `tokenizer:` line)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from exspec.cli import main as cli
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    monkeypatch.setenv("EXSPEC_CACHE", str(tmp_path / "cache"))
+
+
+def _show(capsys, *argv: str) -> tuple[dict[str, str], str]:
+    assert cli.main(["demo-models", "--show", "--scale", "test", *argv]) == 0
+    captured = capsys.readouterr()
+    fields = dict(line.split(":", 1) for line in captured.out.splitlines())
+    return {k: v.strip() for k, v in fields.items()}, captured.err
+
+
+def test_show_before_and_after_a_build(tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "pair"
+    fields, err = _show(capsys, "--out", str(out))
+    assert fields == {"target": str(out / "target"), "draft": str(out / "draft"), "tokenizer": str(out / "target"),
+                      "built": "no"}
+    assert "exspec demo-models" in err
+    assert not out.exists()  # --show builds nothing
+
+    assert cli.main(["demo-models", "--out", str(out), "--scale", "test", "--quiet"]) == 0
+    capsys.readouterr()
+    fields, err = _show(capsys, "--out", str(out))
+    assert fields["built"] == "yes" and err == ""
+    tok = AutoTokenizer.from_pretrained(fields["tokenizer"])  # usable as is, e.g. guidellm --processor DIR
+    assert tok.eos_token == "<|end|>" and tok.chat_template
+
+    fields, err = _show(capsys, "--out", str(out), "--seed", "1")  # another seed is another pair
+    assert fields["built"] == "no" and "seed 0" in err and "seed 1" in err
+
+
+def test_show_uses_the_default_cache_dir(tmp_path, capsys):
+    fields, _ = _show(capsys)
+    assert Path(fields["target"]) == tmp_path / "cache" / "target"
+    assert fields["tokenizer"] == fields["target"]
+
+
+def test_show_with_force_is_refused(tmp_path, capsys):
+    assert cli.main(["demo-models", "--show", "--force", "--out", str(tmp_path / "x")]) == 2
+    assert "--show builds nothing" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
