@@ -33,12 +33,30 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
-
-from exspec.engine import EngineConfig, ExspecError, ModelPair, SamplingParams, SpecEngine, load_model_pair
-from exspec.data import DatasetError, all_questions, encode_prompts, evenly_spaced, load_questions
-from exspec.bench.equivalence import NEAR_TIE_EPS, classify_divergences, top2_gap, top2_gaps_along
+from exspec.bench.equivalence import (
+    NEAR_TIE_EPS,
+    classify_divergences,
+    top2_gap,
+    top2_gaps_along,
+)
+from exspec.data import (
+    DatasetError,
+    all_questions,
+    encode_prompts,
+    evenly_spaced,
+    load_questions,
+)
 from exspec.data.reference import ReferenceRow
+from exspec.engine import (
+    EngineConfig,
+    ModelPair,
+    SamplingParams,
+    SpecEngine,
+    load_model_pair,
+)
 from exspec.scheduler import SchedulerConfig, generate_offline
+
+from exspec.errors import BenchError
 
 METHODS = ("target-ar", "hf-generate", "hf-assisted", "exspec-mixed", "exspec-fixed", "exspec")
 ENGINE_METHODS = ("target-ar", "exspec-mixed", "exspec-fixed", "exspec")  # through our engine and scheduler
@@ -49,10 +67,6 @@ TIMING = (
     "host: prefill, scheduling, padding and decode included; model loading and warm-up excluded), median of "
     "the repeats"
 )
-
-
-class BenchError(ExspecError):
-    """A benchmark option is out of range or the model pair cannot run a method."""
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
 from exspec.data import encode_prompts, load_questions, read_rows
+
+from exspec.errors import SyntheticError
 
 DEFAULT_CACHE = Path.home() / ".cache" / "exspec" / "synthetic"
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
@@ -57,10 +58,6 @@ SHAPES = {
     "1b": SyntheticShape(2048, 8192, 16, 32, 8, 128256, scale=0.03, build_dtype="bfloat16"),
     "8b": SyntheticShape(4096, 14336, 32, 32, 8, 128256, scale=0.015, build_dtype="bfloat16"),
 }
-
-
-class SyntheticError(ValueError):
-    """An unknown synthetic shape name."""
 
 
 def _dirname(name: str, shape: SyntheticShape, seed: int) -> str:

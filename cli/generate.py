@@ -9,13 +9,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from exspec.cli.flags import ENGINE_FIELDS, add_settings_arguments, resolve_models, settings_from_args
+from exspec.cli.flags import (
+    ENGINE_FIELDS,
+    add_settings_arguments,
+    resolve_models,
+    settings_from_args,
+)
+
 from exspec.config import resolve
-from exspec.errors import ExspecError
-
-
-class InputError(ExspecError):
-    """The input file or an argument is malformed."""
+from exspec.errors import ExspecError, InputError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -11,6 +11,8 @@ import json
 import random
 from importlib import resources
 
+from exspec.errors import DatasetError
+
 DATASETS = {  # name -> file shipped in this package
     "specbench": "spec_bench_questions.jsonl",
     "mtbench": "mt_bench_questions.jsonl",
@@ -20,10 +22,6 @@ _WORDS = (
     "the of and to in is that for it as with was on be by this are from or at an which have not but all "
     "model token draft target batch step cache speculative decoding verify accept length time server"
 ).split()
-
-
-class DatasetError(ValueError):
-    """A dataset name, file or size is invalid (`exspec bench` reports it as an ExspecError)."""
 
 
 def read_rows(name: str) -> list[dict]:

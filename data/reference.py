@@ -28,9 +28,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-
-class ReferenceError(ValueError):
-    """A reference file is missing, malformed, or does not fit the run it is compared with."""
+from exspec.errors import ReferenceError
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from exspec.errors import ExspecError
+from exspec.errors import DemoBuildError
 
 FORMAT_VERSION = 3  # bump when anything that changes the weights changes: older caches are rebuilt, never reused
-
-
-class DemoBuildError(ExspecError):
-    """The demo pair cannot be built or written (unwritable directory, foreign files in the way)."""
 
 
 @dataclass(frozen=True)

@@ -28,3 +28,31 @@ class QueueFullError(ExspecError):
 
 class SchedulerClosedError(ExspecError):
     """The scheduler is shutting down or its step loop has died: the server answers 503."""
+
+
+class InputError(ExspecError):
+    """`exspec generate`: the input file or an argument is malformed."""
+
+
+class BenchError(ExspecError):
+    """`exspec bench`: an option is out of range or the model pair cannot run a method."""
+
+
+class DemoBuildError(ExspecError):
+    """The demo pair cannot be built or written (unwritable directory, foreign files in the way)."""
+
+
+class DatasetError(ExspecError, ValueError):
+    """A dataset name, file or size is invalid."""
+
+
+class ReferenceError(ExspecError, ValueError):  # noqa: A001 (not the builtin: a reference *file* error)
+    """A reference file is missing, malformed, or does not fit the run it is compared with."""
+
+
+class SyntheticError(ExspecError, ValueError):
+    """`exspec bench --synthetic`: an unknown synthetic shape name."""
+
+
+class LoadTestError(ExspecError):
+    """The load test: an option is invalid or the server cannot be used (message shown as-is, exit status 2)."""

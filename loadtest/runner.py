@@ -10,12 +10,14 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
+from exspec.loadtest.client import (
+    RequestInput,
+    RequestResult,
+    build_payload,
+    send_request,
+)
 
-from exspec.loadtest.client import RequestInput, RequestResult, build_payload, send_request
-
-
-class LoadTestError(Exception):
-    """An option is invalid or the server cannot be used (message shown as-is, exit status 2)."""
+from exspec.errors import LoadTestError
 
 
 @dataclass(frozen=True)
