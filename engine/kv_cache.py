@@ -47,8 +47,9 @@ class ForwardView:
 
     slots: torch.Tensor  # [B] long: slot of each batch row
     positions: torch.Tensor  # [B, Q] long: position of each query token (its K/V lands there)
-    kv_len: int  # keys 0..kv_len-1 of each row are returned to attention
+    kv_len: int  # keys 0..kv_len-1 of each row are returned to attention ("gather" backend)
     slot_range: tuple[int, int] | None  # (first, last + 1) when slots are consecutive: a view, no gather
+    read_pool: bool = False  # attention reads the pools in place (engine/attention_pool.py): return them whole
 
 
 class _PoolLayer(CacheLayerMixin):
@@ -99,10 +100,12 @@ class SlotKVCache(Cache):
             ) from e
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        """Write this forward's K/V at their positions; return each row's keys/values [0, kv_len).
+        """Write this forward's K/V at their positions; return what attention reads.
 
         key_states, value_states: [B, kv_heads, Q, head_dim]
-        returns: two tensors [B, kv_heads, kv_len, head_dim]
+        returns: with view.read_pool, the layer's pools themselves [num_slots, kv_heads, max_len, head_dim]
+        (no copy); otherwise each row's keys/values [0, kv_len): [B, kv_heads, kv_len, head_dim], a view when
+        the slots are consecutive, an `index_select` copy when not (the "gather" reference backend).
         """
         view = self.view
         if len(self.keys) <= layer_idx:
@@ -111,6 +114,8 @@ class SlotKVCache(Cache):
         rows = view.slots[:, None]  # [B, 1]
         k_pool[rows, :, view.positions] = key_states.transpose(1, 2).to(k_pool.dtype)  # [B, Q, H, D]
         v_pool[rows, :, view.positions] = value_states.transpose(1, 2).to(v_pool.dtype)
+        if view.read_pool:
+            return k_pool, v_pool
         if view.slot_range is not None:
             first, end = view.slot_range
             return k_pool[first:end, :, : view.kv_len], v_pool[first:end, :, : view.kv_len]

@@ -52,10 +52,10 @@ def _load_model(path: Path, role: str, cfg: EngineConfig) -> torch.nn.Module:
             "it has no language-model head"
         )
     attn = cfg.attn_implementation
-    if attn == "sdpa" and cfg.device == "cpu":
+    if attn == "sdpa":
         from exspec.engine.attention import register
 
-        attn = register()  # sdpa with native GQA under exspec's masks (engine/attention.py)
+        attn = register()  # sdpa that reads the slot pools in place (engine/attention.py)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=cfg.torch_dtype, attn_implementation=attn)
     except ValueError as e:

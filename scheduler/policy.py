@@ -80,6 +80,7 @@ class SpeculationPolicy:
     per second for each candidate k in {0, 1, 2, 4, ..., k_max}; try each candidate a few times, then use
     the best, re-trying the others now and then (every `explore_every` steps) since costs drift. Down to
     k = 0 when the batch is large enough that speculation loses.
+    auto (the default): `GoodputPolicy`, built not to lose to no speculation (see there).
     """
 
     def __init__(self, mode: str, k_max: int, warmup: int = 2, explore_every: int = 50, ema: float = 0.3) -> None:
@@ -92,6 +93,7 @@ class SpeculationPolicy:
         self._rate: dict[tuple[int, int], float] = {}  # (bucket, k) -> tokens/s
         self._count: dict[tuple[int, int], int] = defaultdict(int)
         self._steps: dict[int, int] = defaultdict(int)
+        self._auto = GoodputPolicy(k_max) if mode == "auto" else None
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -100,6 +102,8 @@ class SpeculationPolicy:
     def choose(self, batch_size: int) -> int:
         if self.mode == "fixed" or self.k_max == 0:
             return self.k_max
+        if self._auto is not None:
+            return self._auto.choose(batch_size)
         b = self.bucket(batch_size)
         self._steps[b] += 1
         for k in self.candidates:  # warm-up: measure every candidate
@@ -112,11 +116,101 @@ class SpeculationPolicy:
     def observe(self, batch_size: int, k: int, num_tokens: int, seconds: float) -> None:
         if self.mode == "fixed" or seconds <= 0:
             return
+        if self._auto is not None:
+            self._auto.observe(batch_size, k, num_tokens, seconds)
+            return
         key = (self.bucket(batch_size), k)
         rate = num_tokens / seconds
         self._count[key] += 1
         old = self._rate.get(key)
         self._rate[key] = rate if old is None else (1 - self.ema) * old + self.ema * rate
+
+    def rates(self) -> dict[tuple[int, int], float]:
+        return self._auto.rates() if self._auto is not None else dict(self._rate)
+
+
+class GoodputPolicy:
+    """Choose k per step to maximise measured goodput (emitted tokens per second of forward time), with
+    exploration whose cost is bounded, so that it cannot do much worse than no speculation.
+
+    Per batch-size bucket (powers of two) it keeps, for each candidate k in {0, 1, 2, 4, ..., k_max}, an
+    exponential moving average of tokens per second. It starts on k = 0 (plain decoding: nothing to lose).
+    - Warm-up: each k is measured `warmup` times, in increasing order, while goodput keeps rising with k:
+      as soon as a k measures worse than the k before it by more than `tolerance`, larger k are not tried
+      (goodput over k >= 1 is unimodal for the usual cost models: acceptance saturates, cost grows).
+    - Then it runs the best measured k. It re-measures the neighbours of the best one (the one measured
+      longest ago first) only while the time spent on such steps stays below `budget` of all the bucket's
+      forward time (warm-up included). A step on another k produces tokens too, so the goodput lost to
+      exploration is below `budget` (plus the warm-up's bounded cost before the budget builds up).
+    - Costs drift (load, lengths): every estimate is an average with weight `ema` on the newest sample; when
+      the best k's estimate falls below another's, that one runs and is measured again.
+    """
+
+    def __init__(
+        self, k_max: int, warmup: int = 2, budget: float = 0.02, tolerance: float = 0.03, ema: float = 0.3
+    ) -> None:
+        self.k_max = k_max
+        self.candidates = sorted({0, k_max} | {k for k in (1, 2, 4, 8, 16, 32) if k < k_max})
+        self.warmup = warmup
+        self.budget = budget
+        self.tolerance = tolerance
+        self.ema = ema
+        self._rate: dict[tuple[int, int], float] = {}  # (bucket, k) -> tokens per second (EMA)
+        self._count: dict[tuple[int, int], int] = defaultdict(int)  # (bucket, k) -> samples
+        self._seen: dict[tuple[int, int], int] = {}  # (bucket, k) -> step of the last sample
+        self._steps: dict[int, int] = defaultdict(int)  # bucket -> steps chosen
+        self._total_s: dict[int, float] = defaultdict(float)  # bucket -> forward seconds observed
+        self._explore_s: dict[int, float] = defaultdict(float)  # bucket -> of which on exploring steps
+        self._exploring: dict[int, int | None] = {}  # bucket -> k of a pending exploring step
+
+    bucket = staticmethod(SpeculationPolicy.bucket)
+
+    def best(self, b: int) -> int:
+        """The best measured k of a bucket (0 until something beats it)."""
+        measured = [k for k in self.candidates if (b, k) in self._rate]
+        return max(measured, key=lambda k: self._rate[(b, k)], default=0)
+
+    def choose(self, batch_size: int) -> int:
+        b = self.bucket(batch_size)
+        self._steps[b] += 1
+        k = self._warmup_candidate(b)
+        if k == 0:  # plain decoding is the safe incumbent: measuring it is not exploration
+            self._exploring[b] = None
+            return 0
+        if k is None and self._explore_s[b] < self.budget * self._total_s[b]:
+            k = self._neighbour(b)
+        self._exploring[b] = k
+        return self.best(b) if k is None else k
+
+    def _warmup_candidate(self, b: int) -> int | None:
+        prev = None
+        for k in self.candidates:
+            if self._count[(b, k)] < self.warmup:
+                return k
+            if prev and self._rate[(b, k)] < self._rate[(b, prev)] * (1 - self.tolerance):
+                return None  # over k >= 1 goodput fell with k: larger k are not worth measuring
+            prev = k
+        return None
+
+    def _neighbour(self, b: int) -> int | None:
+        """The candidate next to the best k (below or above) measured longest ago, if any was measured."""
+        i = self.candidates.index(self.best(b))
+        near = [self.candidates[j] for j in (i - 1, i + 1) if 0 <= j < len(self.candidates)]
+        return min(near, key=lambda k: self._seen.get((b, k), -1), default=None)
+
+    def observe(self, batch_size: int, k: int, num_tokens: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        b = self.bucket(batch_size)
+        key = (b, k)
+        rate = num_tokens / seconds
+        self._count[key] += 1
+        self._seen[key] = self._steps[b]
+        old = self._rate.get(key)
+        self._rate[key] = rate if old is None else (1 - self.ema) * old + self.ema * rate
+        self._total_s[b] += seconds
+        if self._exploring.pop(b, None) is not None:
+            self._explore_s[b] += seconds
 
     def rates(self) -> dict[tuple[int, int], float]:
         return dict(self._rate)
