@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from exspec.engine.config import EngineConfig
+from exspec.engine.packed_linear import prepack_linears
 from exspec.errors import ModelLoadError
 
 
@@ -68,7 +69,9 @@ def _load_model(path: Path, role: str, cfg: EngineConfig) -> torch.nn.Module:
         raise ModelLoadError(f"{role} {str(path)!r}: cannot load the weights ({e})") from e
     if getattr(model.config, "is_encoder_decoder", False):
         raise ModelLoadError(f"{role} {str(path)!r} is an encoder-decoder model, not a decoder-only causal LM")
-    return model.to(cfg.device).eval()
+    model = model.to(cfg.device).eval()
+    prepack_linears(model)  # oneDNN-prepacked weights for multi-row forwards on the CPU (engine/packed_linear.py)
+    return model
 
 
 def _is_causal_lm_class(name: str) -> bool:
