@@ -18,7 +18,8 @@ within ceil(W / B) - 1 further steps.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+import statistics
+from collections import defaultdict, deque
 from dataclasses import dataclass
 
 
@@ -133,53 +134,69 @@ class GoodputPolicy:
     """Choose k per step to maximise measured goodput (emitted tokens per second of forward time), with
     exploration whose cost is bounded, so that it cannot do much worse than no speculation.
 
-    Per batch-size bucket (powers of two) it keeps, for each candidate k in {0, 1, 2, 4, ..., k_max}, an
-    exponential moving average of tokens per second. It starts on k = 0 (plain decoding: nothing to lose).
+    Per batch-size bucket (powers of two) it keeps, for each candidate k in {0, 1, 2, 4, ..., k_max}, a
+    goodput estimate: the median tokens per second of its last `window` steps (a median, so a step stalled by
+    a busy machine does not decide anything). It starts on k = 0 (plain decoding: nothing to lose).
     - Warm-up: each k is measured `warmup` times, in increasing order, while goodput keeps rising with k:
-      as soon as a k measures worse than the k before it by more than `tolerance`, larger k are not tried
+      once a k >= 2 measures worse than the k before it by more than `tolerance`, larger k are not tried
       (goodput over k >= 1 is unimodal for the usual cost models: acceptance saturates, cost grows).
-    - Then it runs the best measured k. It re-measures the neighbours of the best one (the one measured
-      longest ago first) only while the time spent on such steps stays below `budget` of all the bucket's
-      forward time (warm-up included). A step on another k produces tokens too, so the goodput lost to
-      exploration is below `budget` (plus the warm-up's bounded cost before the budget builds up).
-    - Costs drift (load, lengths): every estimate is an average with weight `ema` on the newest sample; when
-      the best k's estimate falls below another's, that one runs and is measured again.
+    - Then it runs the best measured k. It re-measures a neighbour of the best one (the one measured longest
+      ago) in bursts of `burst` steps, only while the time spent on such steps stays below `budget` of the
+      bucket's forward time (warm-up included). Those steps emit tokens too, so the goodput lost to
+      exploration stays below `budget` (plus the warm-up's bounded cost before the budget builds up).
+    - The first step with drafts after steps without them also feeds the draft every token it skipped (the
+      engine's catch-up): its time is counted, but it is not a sample of that k's steady goodput.
+    - Costs drift (load, lengths): only the last `window` samples count; when the best k's estimate falls
+      below another's, that one runs and is measured again.
     """
 
     def __init__(
-        self, k_max: int, warmup: int = 2, budget: float = 0.02, tolerance: float = 0.03, ema: float = 0.3
+        self,
+        k_max: int,
+        warmup: int = 3,
+        budget: float = 0.02,
+        tolerance: float = 0.1,
+        window: int = 8,
+        burst: int = 3,
     ) -> None:
         self.k_max = k_max
         self.candidates = sorted({0, k_max} | {k for k in (1, 2, 4, 8, 16, 32) if k < k_max})
         self.warmup = warmup
         self.budget = budget
         self.tolerance = tolerance
-        self.ema = ema
-        self._rate: dict[tuple[int, int], float] = {}  # (bucket, k) -> tokens per second (EMA)
+        self.window = window
+        self.burst = burst
+        self._samples: dict[tuple[int, int], deque[float]] = {}  # (bucket, k) -> last `window` tokens/s
         self._count: dict[tuple[int, int], int] = defaultdict(int)  # (bucket, k) -> samples
         self._seen: dict[tuple[int, int], int] = {}  # (bucket, k) -> step of the last sample
         self._steps: dict[int, int] = defaultdict(int)  # bucket -> steps chosen
         self._total_s: dict[int, float] = defaultdict(float)  # bucket -> forward seconds observed
         self._explore_s: dict[int, float] = defaultdict(float)  # bucket -> of which on exploring steps
-        self._exploring: dict[int, int | None] = {}  # bucket -> k of a pending exploring step
+        self._exploring: dict[int, bool] = {}  # bucket -> the pending step explores
+        self._burst_left: dict[int, tuple[int, int]] = {}  # bucket -> (k, steps left) of an exploration burst
+        self._last_k: int | None = None  # k of the last observed step (any bucket): catch-up detection
 
     bucket = staticmethod(SpeculationPolicy.bucket)
 
+    def rate(self, b: int, k: int) -> float | None:
+        samples = self._samples.get((b, k))
+        return statistics.median(samples) if samples else None
+
     def best(self, b: int) -> int:
         """The best measured k of a bucket (0 until something beats it)."""
-        measured = [k for k in self.candidates if (b, k) in self._rate]
-        return max(measured, key=lambda k: self._rate[(b, k)], default=0)
+        measured = [k for k in self.candidates if self.rate(b, k) is not None]
+        return max(measured, key=lambda k: self.rate(b, k), default=0)
 
     def choose(self, batch_size: int) -> int:
         b = self.bucket(batch_size)
         self._steps[b] += 1
         k = self._warmup_candidate(b)
         if k == 0:  # plain decoding is the safe incumbent: measuring it is not exploration
-            self._exploring[b] = None
+            self._exploring[b] = False
             return 0
-        if k is None and self._explore_s[b] < self.budget * self._total_s[b]:
-            k = self._neighbour(b)
-        self._exploring[b] = k
+        if k is None:
+            k = self._burst(b)
+        self._exploring[b] = k is not None
         return self.best(b) if k is None else k
 
     def _warmup_candidate(self, b: int) -> int | None:
@@ -187,30 +204,42 @@ class GoodputPolicy:
         for k in self.candidates:
             if self._count[(b, k)] < self.warmup:
                 return k
-            if prev and self._rate[(b, k)] < self._rate[(b, prev)] * (1 - self.tolerance):
+            if prev and self.rate(b, k) < self.rate(b, prev) * (1 - self.tolerance):
                 return None  # over k >= 1 goodput fell with k: larger k are not worth measuring
             prev = k
         return None
 
-    def _neighbour(self, b: int) -> int | None:
-        """The candidate next to the best k (below or above) measured longest ago, if any was measured."""
+    def _burst(self, b: int) -> int | None:
+        """The k of the exploration burst under way, or of a new one if the budget allows; else None."""
+        k, left = self._burst_left.get(b, (0, 0))
+        if left > 0:
+            self._burst_left[b] = (k, left - 1)
+            return k
+        if self._explore_s[b] >= self.budget * self._total_s[b]:
+            return None
         i = self.candidates.index(self.best(b))
         near = [self.candidates[j] for j in (i - 1, i + 1) if 0 <= j < len(self.candidates)]
-        return min(near, key=lambda k: self._seen.get((b, k), -1), default=None)
+        k = min(near, key=lambda c: self._seen.get((b, c), -1), default=None)
+        if k is not None:
+            self._burst_left[b] = (k, self.burst - 1)
+        return k
 
     def observe(self, batch_size: int, k: int, num_tokens: int, seconds: float) -> None:
         if seconds <= 0:
             return
         b = self.bucket(batch_size)
+        self._total_s[b] += seconds
+        if self._exploring.pop(b, False):
+            self._explore_s[b] += seconds
+        caught_up = k > 0 and self._last_k == 0
+        self._last_k = k
         key = (b, k)
-        rate = num_tokens / seconds
         self._count[key] += 1
         self._seen[key] = self._steps[b]
-        old = self._rate.get(key)
-        self._rate[key] = rate if old is None else (1 - self.ema) * old + self.ema * rate
-        self._total_s[b] += seconds
-        if self._exploring.pop(b, None) is not None:
-            self._explore_s[b] += seconds
+        samples = self._samples.setdefault(key, deque(maxlen=self.window))
+        if caught_up and samples:
+            return  # this step also fed the draft what it skipped: not a sample of k's steady goodput
+        samples.append(num_tokens / seconds)
 
     def rates(self) -> dict[tuple[int, int], float]:
-        return dict(self._rate)
+        return {key: statistics.median(v) for key, v in self._samples.items() if v}

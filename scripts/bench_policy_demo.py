@@ -52,12 +52,12 @@ def main() -> None:
         for rep in range(args.repeats):
             for m in methods:
                 if m == "target-ar":
-                    engine, cfg = ar, SchedulerConfig(max_batch_size=b, pool_size=pool, num_speculative_tokens=0)
+                    engine, cfg = ar, SchedulerConfig(max_batch_size=b, pool_size=4 * b, num_speculative_tokens=0)
                 elif m == "exspec":
-                    engine, cfg = spec, SchedulerConfig(max_batch_size=b, pool_size=pool, num_speculative_tokens=args.k)
+                    engine, cfg = spec, SchedulerConfig(max_batch_size=b, pool_size=4 * b, num_speculative_tokens=args.k)
                 else:
                     engine, cfg = spec, SchedulerConfig(
-                        max_batch_size=b, pool_size=pool, num_speculative_tokens=args.k, speculation="fixed"
+                        max_batch_size=b, pool_size=4 * b, num_speculative_tokens=args.k, speculation="fixed"
                     )
                 t0 = time.perf_counter()
                 out, summary = generate_offline(engine, prompts, params, cfg)

@@ -52,7 +52,7 @@ def main() -> None:
 
     ModelRunner.extend = timed
     prompts = encode_prompts(engine.tokenizer, load_questions("specbench", args.num_prompts), True)
-    cfg = SchedulerConfig(max_batch_size=args.batch_size, pool_size=32, num_speculative_tokens=args.k,
+    cfg = SchedulerConfig(max_batch_size=args.batch_size, pool_size=4 * args.batch_size, num_speculative_tokens=args.k,
                           speculation=args.speculation)
     core = SchedulerCore(engine, cfg)
     for i, p in enumerate(prompts):
