@@ -167,6 +167,7 @@ class GoodputPolicy:
         self.window = window
         self.burst = burst
         self._samples: dict[tuple[int, int], deque[float]] = {}  # (bucket, k) -> last `window` tokens/s
+        self._rate: dict[tuple[int, int], float] = {}  # (bucket, k) -> median of those samples
         self._count: dict[tuple[int, int], int] = defaultdict(int)  # (bucket, k) -> samples
         self._seen: dict[tuple[int, int], int] = {}  # (bucket, k) -> step of the last sample
         self._steps: dict[int, int] = defaultdict(int)  # bucket -> steps chosen
@@ -179,8 +180,7 @@ class GoodputPolicy:
     bucket = staticmethod(SpeculationPolicy.bucket)
 
     def rate(self, b: int, k: int) -> float | None:
-        samples = self._samples.get((b, k))
-        return statistics.median(samples) if samples else None
+        return self._rate.get((b, k))
 
     def best(self, b: int) -> int:
         """The best measured k of a bucket (0 until something beats it)."""
@@ -240,6 +240,7 @@ class GoodputPolicy:
         if caught_up and samples:
             return  # this step also fed the draft what it skipped: not a sample of k's steady goodput
         samples.append(num_tokens / seconds)
+        self._rate[key] = statistics.median(samples)
 
     def rates(self) -> dict[tuple[int, int], float]:
-        return {key: statistics.median(v) for key, v in self._samples.items() if v}
+        return dict(self._rate)

@@ -59,6 +59,7 @@ def main() -> None:
         core.add(Request(str(i), list(p), SamplingParams(max_tokens=args.max_tokens), order=i))
     prof = cProfile.Profile() if args.cprofile else None
     decode = {"steps": 0, "wall": 0.0, "target": 0.0, "draft": 0.0}
+    prefill = {"steps": 0, "wall": 0.0, "target": 0.0, "draft": 0.0}
     while core.has_work():
         before = dict(forward_s)
         t0 = time.perf_counter()
@@ -68,11 +69,12 @@ def main() -> None:
         if prof:
             prof.disable()
         wall = time.perf_counter() - t0
-        if stats is not None and stats.kind != "prefill":
-            decode["steps"] += 1
-            decode["wall"] += wall
-            decode["target"] += forward_s["target"] - before["target"]
-            decode["draft"] += forward_s["draft"] - before["draft"]
+        if stats is not None:
+            part = prefill if stats.kind == "prefill" else decode
+            part["steps"] += 1
+            part["wall"] += wall
+            part["target"] += forward_s["target"] - before["target"]
+            part["draft"] += forward_s["draft"] - before["draft"]
     other = decode["wall"] - decode["target"] - decode["draft"]
     n = decode["steps"]
     print(f"B={args.batch_size} k={args.k} speculation={args.speculation}: {n} decode steps, "
@@ -80,6 +82,9 @@ def main() -> None:
     for part in ("target", "draft"):
         print(f"  {part} forwards: {1000 * decode[part] / n:7.2f} ms/step  {100 * decode[part] / decode['wall']:5.1f}%")
     print(f"  everything else: {1000 * other / n:7.2f} ms/step  {100 * other / decode['wall']:5.1f}%")
+    total = decode["wall"] + prefill["wall"]
+    print(f"  prefill steps: {prefill['steps']}, {100 * prefill['wall'] / total:.1f}% of all step time; of it the "
+          f"draft's prefill forwards {100 * prefill['draft'] / total:.1f}%, the target's {100 * prefill['target'] / total:.1f}%")
     if prof:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
