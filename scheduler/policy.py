@@ -18,7 +18,6 @@ within ceil(W / B) - 1 further steps.
 from __future__ import annotations
 
 import math
-import statistics
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
@@ -135,15 +134,17 @@ class GoodputPolicy:
     exploration whose cost is bounded, so that it cannot do much worse than no speculation.
 
     Per batch-size bucket (powers of two) it keeps, for each candidate k in {0, 1, 2, 4, ..., k_max}, a
-    goodput estimate: the median tokens per second of its last `window` steps (a median, so a step stalled by
-    a busy machine does not decide anything). It starts on k = 0 (plain decoding: nothing to lose).
+    goodput estimate: tokens over seconds of its last `window` steps (a ratio of sums: tokens per step vary
+    from 1 to k + 1, so a mean or median of per-step rates would be biased). It starts on k = 0 (plain
+    decoding: nothing to lose).
     - Warm-up: each k is measured `warmup` times, in increasing order, while goodput keeps rising with k:
       once a k >= 2 measures worse than the k before it by more than `tolerance`, larger k are not tried
       (goodput over k >= 1 is unimodal for the usual cost models: acceptance saturates, cost grows).
-    - Then it runs the best measured k. It re-measures a neighbour of the best one (the one measured longest
-      ago) in bursts of `burst` steps, only while the time spent on such steps stays below `budget` of the
-      bucket's forward time (warm-up included). Those steps emit tokens too, so the goodput lost to
-      exploration stays below `budget` (plus the warm-up's bounded cost before the budget builds up).
+    - Then it runs the best measured k. It re-measures another k (the one measured longest ago, from
+      scratch) in bursts of `burst` steps, only while the time spent on such steps stays below `budget` of
+      the bucket's forward time (warm-up included). Those steps emit tokens too, so the goodput lost to
+      exploration stays below `budget` (plus the warm-up's bounded cost before the budget builds up). This
+      also corrects warm-up samples taken while the machine was cold (first-touch page faults, new shapes).
     - The first step with drafts after steps without them also feeds the draft every token it skipped (the
       engine's catch-up): its time is counted, but it is not a sample of that k's steady goodput.
     - Costs drift (load, lengths): only the last `window` samples count; when the best k's estimate falls
@@ -156,8 +157,8 @@ class GoodputPolicy:
         warmup: int = 3,
         budget: float = 0.02,
         tolerance: float = 0.1,
-        window: int = 8,
-        burst: int = 3,
+        window: int = 12,
+        burst: int = 4,
     ) -> None:
         self.k_max = k_max
         self.candidates = sorted({0, k_max} | {k for k in (1, 2, 4, 8, 16, 32) if k < k_max})
@@ -166,8 +167,8 @@ class GoodputPolicy:
         self.tolerance = tolerance
         self.window = window
         self.burst = burst
-        self._samples: dict[tuple[int, int], deque[float]] = {}  # (bucket, k) -> last `window` tokens/s
-        self._rate: dict[tuple[int, int], float] = {}  # (bucket, k) -> median of those samples
+        self._samples: dict[tuple[int, int], deque[tuple[int, float]]] = {}  # (bucket, k) -> last (tokens, s)
+        self._rate: dict[tuple[int, int], float] = {}  # (bucket, k) -> their tokens / their seconds
         self._count: dict[tuple[int, int], int] = defaultdict(int)  # (bucket, k) -> samples
         self._seen: dict[tuple[int, int], int] = {}  # (bucket, k) -> step of the last sample
         self._steps: dict[int, int] = defaultdict(int)  # bucket -> steps chosen
@@ -217,11 +218,13 @@ class GoodputPolicy:
             return k
         if self._explore_s[b] >= self.budget * self._total_s[b]:
             return None
-        i = self.candidates.index(self.best(b))
-        near = [self.candidates[j] for j in (i - 1, i + 1) if 0 <= j < len(self.candidates)]
-        k = min(near, key=lambda c: self._seen.get((b, c), -1), default=None)
+        best = self.best(b)
+        others = [c for c in self.candidates if c != best]
+        k = min(others, key=lambda c: self._seen.get((b, c), -1), default=None)
         if k is not None:
             self._burst_left[b] = (k, self.burst - 1)
+            self._samples.pop((b, k), None)  # a fresh measurement: old samples may be from another load
+            self._rate.pop((b, k), None)
         return k
 
     def observe(self, batch_size: int, k: int, num_tokens: int, seconds: float) -> None:
@@ -239,8 +242,8 @@ class GoodputPolicy:
         samples = self._samples.setdefault(key, deque(maxlen=self.window))
         if caught_up and samples:
             return  # this step also fed the draft what it skipped: not a sample of k's steady goodput
-        samples.append(num_tokens / seconds)
-        self._rate[key] = statistics.median(samples)
+        samples.append((num_tokens, seconds))
+        self._rate[key] = sum(n for n, _ in samples) / sum(t for _, t in samples)
 
     def rates(self) -> dict[tuple[int, int], float]:
         return dict(self._rate)
