@@ -141,9 +141,9 @@ class GoodputPolicy:
       once a k >= 2 measures worse than the k before it by more than `tolerance`, larger k are not tried
       (goodput over k >= 1 is unimodal for the usual cost models: acceptance saturates, cost grows).
     - Then it runs the best measured k. It re-measures another k (the one measured longest ago, from
-      scratch) in bursts of `burst` steps, only while the time spent on such steps stays below `budget` of
-      the bucket's forward time (warm-up included). Those steps emit tokens too, so the goodput lost to
-      exploration stays below `budget` (plus the warm-up's bounded cost before the budget builds up). This
+      scratch) in bursts of `burst` steps, a new burst only once the last one (warm-up included) cost at most
+      `budget` of the time run on the best k since. Those steps emit tokens too, so past the warm-up the
+      goodput lost to exploration stays below `budget`. This
       also corrects warm-up samples taken while the machine was cold (first-touch page faults, new shapes).
     - The first step with drafts after steps without them also feeds the draft every token it skipped (the
       engine's catch-up): its time is counted, but it is not a sample of that k's steady goodput.
@@ -174,6 +174,8 @@ class GoodputPolicy:
         self._steps: dict[int, int] = defaultdict(int)  # bucket -> steps chosen
         self._total_s: dict[int, float] = defaultdict(float)  # bucket -> forward seconds observed
         self._explore_s: dict[int, float] = defaultdict(float)  # bucket -> of which on exploring steps
+        self._burst_s: dict[int, float] = defaultdict(float)  # bucket -> seconds of the last exploration (burst)
+        self._since_s: dict[int, float] = defaultdict(float)  # bucket -> seconds on the best k since then
         self._exploring: dict[int, bool] = {}  # bucket -> the pending step explores
         self._burst_left: dict[int, tuple[int, int]] = {}  # bucket -> (k, steps left) of an exploration burst
         self._last_k: int | None = None  # k of the last observed step (any bucket): catch-up detection
@@ -216,8 +218,9 @@ class GoodputPolicy:
         if left > 0:
             self._burst_left[b] = (k, left - 1)
             return k
-        if self._explore_s[b] >= self.budget * self._total_s[b]:
-            return None
+        if self._burst_s[b] > self.budget * self._since_s[b]:
+            return None  # the last burst cost more than `budget` of the time run since it
+        self._burst_s[b], self._since_s[b] = 0.0, 0.0
         best = self.best(b)
         others = [c for c in self.candidates if c != best]
         k = min(others, key=lambda c: self._seen.get((b, c), -1), default=None)
@@ -234,6 +237,9 @@ class GoodputPolicy:
         self._total_s[b] += seconds
         if self._exploring.pop(b, False):
             self._explore_s[b] += seconds
+            self._burst_s[b] += seconds
+        else:
+            self._since_s[b] += seconds
         caught_up = k > 0 and self._last_k == 0
         self._last_k = k
         key = (b, k)

