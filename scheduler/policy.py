@@ -149,6 +149,9 @@ class GoodputPolicy:
       engine's catch-up): its time is counted, but it is not a sample of that k's steady goodput.
     - Costs drift (load, lengths): only the last `window` samples count; when the best k's estimate falls
       below another's, that one runs and is measured again.
+    k follows measured time, so it differs between runs: greedy outputs do not depend on k (token-identical
+    to the target), but a seeded sampled output reproduces exactly only under the same k schedule; use
+    speculation="fixed" where seeded runs must repeat token for token.
     """
 
     def __init__(
