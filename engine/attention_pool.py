@@ -11,7 +11,7 @@ Backends (choose with `ModelRunner(attention=...)` or the EXSPEC_ATTENTION envir
 - "pool": SDPA once per *run* of rows (consecutive slots, equal start) over the pool view
   `pool[first_slot:first_slot + n, :, :kv_len]`. A grouped batch at consecutive slots is one run (the
   same single call as "gather"); rows at scattered slots are one call each, over their own length.
-  Measured on a 2-core CPU (docs/BENCHMARKS.md): the default on the CPU.
+  Measured on a 2-core CPU (docs/BENCHMARKS.md): the default on the CPU (CUDA keeps "gather" by default).
 - "flash": CUDA only, `flash_attn_with_kvcache(cache_batch_idx=slots, cache_seqlens=lengths)` over the
   pool seen as [num_slots, pool_len, kv_heads, head_dim] (a transpose view; flash-attn reads strides).
   Needs the `flash_attn` package; never run in exspec's CI (no GPU there): it is selectable, not default.

@@ -140,8 +140,9 @@ class ModelRunner:
 def resolve_attention(name: str | None, device: torch.device, attn_implementation: str) -> str:
     """The attention backend a runner uses (engine/attention_pool.py), resolved once.
 
-    Default: "pool" wherever exspec's attention function is loaded (attn_implementation "sdpa"); "gather" for
-    "eager" (it adds a float mask to the scores of gathered K/V). "flash" is never a default: it is untested here.
+    Default: "pool" on the CPU with exspec's attention function (attn_implementation "sdpa"), where it was
+    measured; "gather" on CUDA (unmeasured there: "flash" or "pool" are opt-in) and for "eager" (it adds a float
+    mask to the scores of gathered K/V). "flash" is never a default: it has not run in exspec's CI (no GPU).
     """
     name = name or os.environ.get("EXSPEC_ATTENTION") or None
     if name is not None and name not in BACKENDS:
@@ -150,7 +151,7 @@ def resolve_attention(name: str | None, device: torch.device, attn_implementatio
         return "gather"  # eager (or any other implementation) reads gathered K/V
     if name == "flash" and not flash_available(device):
         raise ExspecError("attention backend 'flash' needs a CUDA device and the flash_attn package")
-    return name or "pool"
+    return name or ("pool" if device.type == "cpu" else "gather")
 
 
 def _sliding_window(config) -> int | None:

@@ -87,6 +87,7 @@ def test_backend_resolution(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv("EXSPEC_ATTENTION", raising=False)
     assert resolve_attention(None, cpu, "exspec_sdpa") == "pool"
+    assert resolve_attention(None, torch.device("cuda"), "exspec_sdpa") == "gather"  # unmeasured on CUDA
     assert resolve_attention("gather", cpu, "exspec_sdpa") == "gather"
     assert resolve_attention("pool", cpu, "eager") == "gather"  # eager adds a float mask to gathered K/V
     monkeypatch.setenv("EXSPEC_ATTENTION", "gather")
