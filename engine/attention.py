@@ -1,9 +1,14 @@
-"""`exspec_sdpa`: PyTorch SDPA with native grouped-query attention, even under an explicit mask.
+"""`exspec_sdpa`: exspec's one attention entry point, registered as an `attn_implementation`.
+
+With a `PoolPlan` in the forward's kwargs (`exspec_pool=`, see engine/attention_pool.py) the key/value
+arguments are the layer's whole slot pools and attention reads each row where it lies. Without one (the
+"gather" reference backend) it is PyTorch SDPA with native grouped-query attention under an explicit mask:
 
 transformers' own `sdpa` copies K/V once per layer and forward (`repeat_kv`) whenever a mask is passed
 to a grouped-query model, and exspec always passes one. On the CPU, `scaled_dot_product_attention(...,
 enable_gqa=True)` takes the mask directly: same numbers, 1.4x to 2.4x less attention time on the demo
-pair's shapes. CUDA keeps transformers' `sdpa`: there a masked GQA call falls back to the slow math kernel.
+pair's shapes. On CUDA the reference is transformers' `sdpa`: there a masked GQA call falls back to the slow
+math kernel.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from exspec.engine.attention_pool import PoolPlan, pool_attention
 
 NAME = "exspec_sdpa"
 
@@ -25,8 +32,13 @@ def gqa_sdpa_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
+    exspec_pool: PoolPlan | None = None,  # set: key/value are the whole pools [slots, kv_heads, pool_len, head_dim]
     **kwargs,
 ) -> tuple[torch.Tensor, None]:  # ([B, Q, heads, head_dim], None)
+    if exspec_pool is not None:
+        return pool_attention(module, query, key, value, exspec_pool, scaling), None
+    if query.device.type != "cpu":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     if kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None or kwargs.get("softcap") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     q_len, kv_len = query.shape[2], key.shape[2]

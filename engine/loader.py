@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from exspec.engine.config import EngineConfig
+from exspec.engine.packed_linear import prepack_linears
 from exspec.errors import ModelLoadError
 
 
@@ -52,10 +53,10 @@ def _load_model(path: Path, role: str, cfg: EngineConfig) -> torch.nn.Module:
             "it has no language-model head"
         )
     attn = cfg.attn_implementation
-    if attn == "sdpa" and cfg.device == "cpu":
+    if attn == "sdpa":
         from exspec.engine.attention import register
 
-        attn = register()  # sdpa with native GQA under exspec's masks (engine/attention.py)
+        attn = register()  # sdpa that reads the slot pools in place (engine/attention.py)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=cfg.torch_dtype, attn_implementation=attn)
     except ValueError as e:
@@ -68,7 +69,9 @@ def _load_model(path: Path, role: str, cfg: EngineConfig) -> torch.nn.Module:
         raise ModelLoadError(f"{role} {str(path)!r}: cannot load the weights ({e})") from e
     if getattr(model.config, "is_encoder_decoder", False):
         raise ModelLoadError(f"{role} {str(path)!r} is an encoder-decoder model, not a decoder-only causal LM")
-    return model.to(cfg.device).eval()
+    model = model.to(cfg.device).eval()
+    prepack_linears(model)  # oneDNN-prepacked weights for multi-row forwards on the CPU (engine/packed_linear.py)
+    return model
 
 
 def _is_causal_lm_class(name: str) -> bool:

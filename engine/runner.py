@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from exspec.engine.attention import NAME as EXSPEC_ATTENTION
+from exspec.engine.attention_pool import BACKENDS, PoolPlan, flash_available, plan_runs
 from exspec.engine.kv_cache import ForwardView, SlotKVCache
+from exspec.errors import ExspecError
 
 
 def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -31,7 +36,14 @@ class ModelRunner:
       padding queries write K/V past the row's length, where nothing reads before it is overwritten.
     """
 
-    def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_slots: int,
+        max_len: int,
+        vocab_size: int,
+        attention: str | None = None,  # "gather" | "pool" | "flash"; None: $EXSPEC_ATTENTION, else the default
+    ) -> None:
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
@@ -47,6 +59,7 @@ class ModelRunner:
         # of their context with columns past it; those columns are clamped here for the model alone (their
         # outputs are never used), while the cache and the mask keep the true positions.
         self.max_position = _position_limit(self.config)
+        self.attention = resolve_attention(attention, self.device, self.config._attn_implementation)
 
     @torch.inference_mode()
     def extend(
@@ -73,19 +86,24 @@ class ModelRunner:
             positions = positions.clamp(max=self.cache.max_len - 1)
             kv_len = self.cache.max_len
         mask = self._mask(positions, kv_len)  # [1 or B, 1, Q, kv_len]
+        slot_t = to_device(slots, dev)  # [B]
+        plan = self._pool_plan(slots, starts, q_len, mask, slot_t)
         self.cache.view = ForwardView(
-            slots=to_device(slots, dev),
+            slots=slot_t,
             positions=positions.expand(batch, q_len),
             kv_len=kv_len,
             slot_range=_consecutive(slots),
+            read_pool=plan is not None,
         )
         model_positions = positions if self.max_position is None else positions.clamp(max=self.max_position - 1)
+        extra = {"exspec_pool": plan} if plan is not None else {}
         hidden = self.base(
             input_ids=tokens,
             position_ids=model_positions.expand(batch, q_len),
             attention_mask=mask,
             past_key_values=self.cache,
             use_cache=True,
+            **extra,
         ).last_hidden_state  # [B, Q, hidden]
         self.cache.view = None
         if select is not None:
@@ -94,6 +112,22 @@ class ModelRunner:
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    def _pool_plan(
+        self, slots: list[int], starts: list[int], q_len: int, mask: torch.Tensor, slot_t: torch.Tensor
+    ) -> PoolPlan | None:
+        """How attention reads this forward's rows from the pools (None: the "gather" reference)."""
+        if self.attention == "gather":
+            return None
+        pool_len = self.cache.max_len
+        if self.attention == "flash":  # pragma: no cover - needs CUDA and flash_attn
+            lengths = [min(s + q_len, pool_len) for s in starts]
+            return PoolPlan(
+                "flash", (), None, slot_t.to(torch.int32), to_device(lengths, self.device, torch.int32), self.sliding_window
+            )
+        # One query per row and no window: every key up to the row's own length is visible, no mask needed.
+        need_mask = q_len > 1 or self.sliding_window is not None
+        return PoolPlan("pool", plan_runs(slots, starts, q_len, pool_len), mask if need_mask else None, None, None, None)
 
     def _mask(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """Causal (and sliding-window) mask by absolute position. positions: [R, Q] -> [R, 1, Q, kv_len]."""
@@ -114,6 +148,23 @@ def _position_limit(config) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def resolve_attention(name: str | None, device: torch.device, attn_implementation: str) -> str:
+    """The attention backend a runner uses (engine/attention_pool.py), resolved once.
+
+    Default: "pool" on the CPU with exspec's attention function (attn_implementation "sdpa"), where it was
+    measured; "gather" on CUDA (unmeasured there: "flash" or "pool" are opt-in) and for "eager" (it adds a float
+    mask to the scores of gathered K/V). "flash" is never a default: it has not run in exspec's CI (no GPU).
+    """
+    name = name or os.environ.get("EXSPEC_ATTENTION") or None
+    if name is not None and name not in BACKENDS:
+        raise ExspecError(f"attention backend must be one of {list(BACKENDS)}, got {name!r}")
+    if attn_implementation != EXSPEC_ATTENTION:
+        return "gather"  # eager (or any other implementation) reads gathered K/V
+    if name == "flash" and not flash_available(device):
+        raise ExspecError("attention backend 'flash' needs a CUDA device and the flash_attn package")
+    return name or ("pool" if device.type == "cpu" else "gather")
 
 
 def _sliding_window(config) -> int | None:

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from exspec.scheduler.types import SchedulerConfig
 
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
-SPECULATION_MODES = ("fixed", "adaptive")
-DEFAULT_SPECULATION = "fixed"  # the scheduler's own default (SchedulerConfig.speculation)
+SPECULATION_MODES = ("auto", "fixed", "adaptive")
+DEFAULT_SPECULATION = "auto"  # the scheduler's own default (SchedulerConfig.speculation): k from measured goodput
 # config.json keys that declare a model's position limit, in the order they are looked for.
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 

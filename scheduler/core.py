@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -129,8 +130,13 @@ class SchedulerCore:
             self.num_left_waiting += 1
             seq_id = self._next_seq_id
             self._next_seq_id += 1
+            params = req.params
+            if self.config.speculation != "fixed" and params.seed is not None and not params.greedy:
+                # Under a timing-driven policy k varies from run to run, and with it which random numbers a
+                # sampled row uses: a seeded request decodes without drafts, so its seed reproduces exactly.
+                params = replace(params, use_speculation=False)
             try:
-                self.engine.add(seq_id, req.prompt_token_ids, req.params)
+                self.engine.add(seq_id, req.prompt_token_ids, params)
             except Exception as e:  # this request's fault or not, it must not stop the loop
                 self._pending.append(self._finish(req, "error", _message(e, req)))
                 continue
@@ -183,9 +189,13 @@ class SchedulerCore:
             return self.engine.step(StepBatch(tuple(r.seq_id for r in batch), k))
 
         deltas, stats = [], []
-        for batch, out in self._run_isolated(chosen, call):
+        runs = self._run_isolated(chosen, call)
+        for batch, out in runs:
             new, kept = self._emit(batch, out)
-            self.speculation.observe(len(batch), out.num_draft_tokens, kept, out.draft_s + out.verify_s)
+            # The policy weighs k by what a step really costs: its whole wall time (scheduling, forwards,
+            # sampling, cutting, deltas); only while a failing row is isolated, each call's own forward time.
+            seconds = time.perf_counter() - t0 if len(runs) == 1 else out.draft_s + out.verify_s
+            self.speculation.observe(len(batch), out.num_draft_tokens, kept, seconds)
             deltas += new
             stats.append(self._stats(out, t1 - t0, 0, kept))
         return deltas, stats

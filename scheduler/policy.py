@@ -18,7 +18,7 @@ within ceil(W / B) - 1 further steps.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 
 
@@ -80,6 +80,7 @@ class SpeculationPolicy:
     per second for each candidate k in {0, 1, 2, 4, ..., k_max}; try each candidate a few times, then use
     the best, re-trying the others now and then (every `explore_every` steps) since costs drift. Down to
     k = 0 when the batch is large enough that speculation loses.
+    auto (the default): `GoodputPolicy`, built not to lose to no speculation (see there).
     """
 
     def __init__(self, mode: str, k_max: int, warmup: int = 2, explore_every: int = 50, ema: float = 0.3) -> None:
@@ -92,6 +93,7 @@ class SpeculationPolicy:
         self._rate: dict[tuple[int, int], float] = {}  # (bucket, k) -> tokens/s
         self._count: dict[tuple[int, int], int] = defaultdict(int)
         self._steps: dict[int, int] = defaultdict(int)
+        self._auto = GoodputPolicy(k_max) if mode == "auto" else None
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -100,6 +102,8 @@ class SpeculationPolicy:
     def choose(self, batch_size: int) -> int:
         if self.mode == "fixed" or self.k_max == 0:
             return self.k_max
+        if self._auto is not None:
+            return self._auto.choose(batch_size)
         b = self.bucket(batch_size)
         self._steps[b] += 1
         for k in self.candidates:  # warm-up: measure every candidate
@@ -112,11 +116,143 @@ class SpeculationPolicy:
     def observe(self, batch_size: int, k: int, num_tokens: int, seconds: float) -> None:
         if self.mode == "fixed" or seconds <= 0:
             return
+        if self._auto is not None:
+            self._auto.observe(batch_size, k, num_tokens, seconds)
+            return
         key = (self.bucket(batch_size), k)
         rate = num_tokens / seconds
         self._count[key] += 1
         old = self._rate.get(key)
         self._rate[key] = rate if old is None else (1 - self.ema) * old + self.ema * rate
+
+    def rates(self) -> dict[tuple[int, int], float]:
+        return self._auto.rates() if self._auto is not None else dict(self._rate)
+
+
+class GoodputPolicy:
+    """Choose k per step to maximise measured goodput (emitted tokens per second of forward time), with
+    exploration whose cost is bounded, so that it cannot do much worse than no speculation.
+
+    Per batch-size bucket (powers of two) it keeps, for each candidate k in {0, 1, 2, 4, ..., k_max}, a
+    goodput estimate: tokens over seconds of its last `window` steps (a ratio of sums: tokens per step vary
+    from 1 to k + 1, so a mean or median of per-step rates would be biased). It starts on k = 0 (plain
+    decoding: nothing to lose).
+    - Warm-up: each k is measured `warmup` times, in increasing order, while goodput keeps rising with k:
+      once a k >= 2 measures worse than the k before it by more than `tolerance`, larger k are not tried
+      (goodput over k >= 1 is unimodal for the usual cost models: acceptance saturates, cost grows).
+    - Then it runs the best measured k. It re-measures another k (the one measured longest ago, from
+      scratch) in bursts of `burst` steps, a new burst only once the last one (warm-up included) cost at most
+      `budget` of the time run on the best k since. Those steps emit tokens too, so past the warm-up the
+      goodput lost to exploration stays below `budget`. This
+      also corrects warm-up samples taken while the machine was cold (first-touch page faults, new shapes).
+    - The first step with drafts after steps without them also feeds the draft every token it skipped (the
+      engine's catch-up): its time is counted, but it is not a sample of that k's steady goodput.
+    - Costs drift (load, lengths): only the last `window` samples count; when the best k's estimate falls
+      below another's, that one runs and is measured again.
+    k follows measured time, so it differs between runs: greedy outputs do not depend on k (token-identical
+    to the target), but a seeded sampled output reproduces exactly only under the same k schedule; use
+    speculation="fixed" where seeded runs must repeat token for token.
+    """
+
+    def __init__(
+        self,
+        k_max: int,
+        warmup: int = 3,
+        budget: float = 0.02,
+        tolerance: float = 0.1,
+        window: int = 12,
+        burst: int = 4,
+    ) -> None:
+        self.k_max = k_max
+        self.candidates = sorted({0, k_max} | {k for k in (1, 2, 4, 8, 16, 32) if k < k_max})
+        self.warmup = warmup
+        self.budget = budget
+        self.tolerance = tolerance
+        self.window = window
+        self.burst = burst
+        self._samples: dict[tuple[int, int], deque[tuple[int, float]]] = {}  # (bucket, k) -> last (tokens, s)
+        self._rate: dict[tuple[int, int], float] = {}  # (bucket, k) -> their tokens / their seconds
+        self._count: dict[tuple[int, int], int] = defaultdict(int)  # (bucket, k) -> samples
+        self._seen: dict[tuple[int, int], int] = {}  # (bucket, k) -> step of the last sample
+        self._steps: dict[int, int] = defaultdict(int)  # bucket -> steps chosen
+        self._total_s: dict[int, float] = defaultdict(float)  # bucket -> forward seconds observed
+        self._explore_s: dict[int, float] = defaultdict(float)  # bucket -> of which on exploring steps
+        self._burst_s: dict[int, float] = defaultdict(float)  # bucket -> seconds of the last exploration (burst)
+        self._since_s: dict[int, float] = defaultdict(float)  # bucket -> seconds on the best k since then
+        self._exploring: dict[int, bool] = {}  # bucket -> the pending step explores
+        self._burst_left: dict[int, tuple[int, int]] = {}  # bucket -> (k, steps left) of an exploration burst
+        self._last_k: int | None = None  # k of the last observed step (any bucket): catch-up detection
+
+    bucket = staticmethod(SpeculationPolicy.bucket)
+
+    def rate(self, b: int, k: int) -> float | None:
+        return self._rate.get((b, k))
+
+    def best(self, b: int) -> int:
+        """The best measured k of a bucket (0 until something beats it)."""
+        measured = [k for k in self.candidates if self.rate(b, k) is not None]
+        return max(measured, key=lambda k: self.rate(b, k), default=0)
+
+    def choose(self, batch_size: int) -> int:
+        b = self.bucket(batch_size)
+        self._steps[b] += 1
+        k = self._warmup_candidate(b)
+        if k == 0:  # plain decoding is the safe incumbent: measuring it is not exploration
+            self._exploring[b] = False
+            return 0
+        if k is None:
+            k = self._burst(b)
+        self._exploring[b] = k is not None
+        return self.best(b) if k is None else k
+
+    def _warmup_candidate(self, b: int) -> int | None:
+        prev = None
+        for k in self.candidates:
+            if self._count[(b, k)] < self.warmup:
+                return k
+            if prev and self.rate(b, k) < self.rate(b, prev) * (1 - self.tolerance):
+                return None  # over k >= 1 goodput fell with k: larger k are not worth measuring
+            prev = k
+        return None
+
+    def _burst(self, b: int) -> int | None:
+        """The k of the exploration burst under way, or of a new one if the budget allows; else None."""
+        k, left = self._burst_left.get(b, (0, 0))
+        if left > 0:
+            self._burst_left[b] = (k, left - 1)
+            return k
+        if self._burst_s[b] > self.budget * self._since_s[b]:
+            return None  # the last burst cost more than `budget` of the time run since it
+        self._burst_s[b], self._since_s[b] = 0.0, 0.0
+        best = self.best(b)
+        others = [c for c in self.candidates if c != best]
+        k = min(others, key=lambda c: self._seen.get((b, c), -1), default=None)
+        if k is not None:
+            self._burst_left[b] = (k, self.burst - 1)
+            self._samples.pop((b, k), None)  # a fresh measurement: old samples may be from another load
+            self._rate.pop((b, k), None)
+        return k
+
+    def observe(self, batch_size: int, k: int, num_tokens: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        b = self.bucket(batch_size)
+        self._total_s[b] += seconds
+        if self._exploring.pop(b, False):
+            self._explore_s[b] += seconds
+            self._burst_s[b] += seconds
+        else:
+            self._since_s[b] += seconds
+        caught_up = k > 0 and self._last_k == 0
+        self._last_k = k
+        key = (b, k)
+        self._count[key] += 1
+        self._seen[key] = self._steps[b]
+        samples = self._samples.setdefault(key, deque(maxlen=self.window))
+        if caught_up and samples:
+            return  # this step also fed the draft what it skipped: not a sample of k's steady goodput
+        samples.append((num_tokens, seconds))
+        self._rate[key] = sum(n for n, _ in samples) / sum(t for _, t in samples)
 
     def rates(self) -> dict[tuple[int, int], float]:
         return dict(self._rate)

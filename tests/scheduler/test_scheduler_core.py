@@ -108,7 +108,7 @@ def test_engine_failure_fails_only_that_batch():
 
 def test_stop_token_ids_and_use_speculation_reach_the_engine():
     eng = FakeEngine(accept=lambda s, k: k)
-    core = SchedulerCore(eng, SchedulerConfig(max_batch_size=2, pool_size=2, num_speculative_tokens=3))
+    core = SchedulerCore(eng, SchedulerConfig(max_batch_size=2, pool_size=2, num_speculative_tokens=3, speculation="fixed"))
     core.add(req(0, max_tokens=8, use_speculation=False))
     core.add(req(1, max_tokens=8))
     deltas = run_all(core)
@@ -207,3 +207,16 @@ async def test_step_listeners_see_every_step():
     kinds = [s.kind for s in seen]
     assert kinds[0] == "prefill" and "grouped" in kinds
     assert sum(s.num_tokens for s in seen) == 6
+
+
+def test_seeded_sampling_decodes_without_drafts_unless_k_is_fixed():
+    """Under a timing-driven policy the k schedule varies between runs; a seeded sampled request must still
+    reproduce, so it decodes without drafts there (and speculates under `fixed`)."""
+    for mode, speculating in (("auto", False), ("adaptive", False), ("fixed", True)):
+        eng = FakeEngine(accept=lambda s, k: k)
+        core = SchedulerCore(eng, SchedulerConfig(max_batch_size=2, pool_size=2, num_speculative_tokens=3, speculation=mode))
+        core.add(req(0, max_tokens=8, temperature=0.8, seed=7))
+        core.add(req(1, max_tokens=8, temperature=0.8))
+        core.step()
+        assert eng.seqs[0].params.use_speculation is speculating, mode
+        assert eng.seqs[1].params.use_speculation is True, mode

@@ -130,3 +130,104 @@ def test_adaptive_keeps_separate_estimates_per_batch_size():
     large = _drive(p, rate, batch=32)
     assert small[-50:].count(4) >= 45 and large[-50:].count(0) >= 45
     assert math.isfinite(sum(p.rates().values()))
+
+
+# ---------------------------------------------------------------------------------------------------- auto
+# Synthetic cost models: a step over B rows with k drafts emits B * E(k) tokens, E(k) = (1 - a^(k+1)) / (1 - a)
+# for acceptance a, in t(k) = t1 * (1 + draft * k + verify(k)) seconds, with seeded multiplicative noise.
+
+
+def _cost_model(accept: float, draft: float, verify, noise: float = 0.05, seed: int = 0):
+    rng = random.Random(seed)
+
+    def expected(batch, k):
+        tokens = batch * (1 - accept ** (k + 1)) / (1 - accept)
+        return tokens, 0.01 * (1 + draft * k + verify(k))
+
+    def sample(batch, k):
+        tokens, secs = expected(batch, k)
+        return tokens, secs * math.exp(rng.gauss(0.0, noise))
+
+    return expected, sample
+
+
+def _best_rate(expected, batch, k_max):
+    rates = {k: expected(batch, k)[0] / expected(batch, k)[1] for k in range(k_max + 1)}
+    return max(rates, key=rates.get), rates
+
+
+def _run_auto(policy, sample, batch, steps):
+    """Drive the policy; returns the chosen ks and the goodput (tokens / seconds) over all steps."""
+    chosen, tokens, secs = [], 0.0, 0.0
+    for _ in range(steps):
+        k = policy.choose(batch)
+        n, s = sample(batch, k)
+        policy.observe(batch, k, n, s)
+        chosen.append(k)
+        tokens, secs = tokens + n, secs + s
+    return chosen, tokens / secs
+
+
+LOSES = dict(accept=0.5, draft=0.35, verify=lambda k: 0.3 * k)  # CPU at B=8: verify rows cost compute
+PAYS = dict(accept=0.8, draft=0.05, verify=lambda k: 0.04 * k)  # a cheap, strong draft, memory-bound verify
+JUMP = dict(accept=0.85, draft=0.04, verify=lambda k: 0.5 * (k > 0) + 0.02 * k)  # k=1 loses, larger k wins
+
+
+def test_auto_stays_within_3_percent_of_no_speculation_where_it_loses():
+    expected, sample = _cost_model(**LOSES)
+    best, rates = _best_rate(expected, 8, 4)
+    assert best == 0 and max(rates[k] for k in (1, 2, 3, 4)) < 0.95 * rates[0]  # the premise: every k > 0 loses
+    for seed in range(5):
+        _, sample = _cost_model(**LOSES, seed=seed)
+        chosen, goodput = _run_auto(SpeculationPolicy("auto", 4), sample, 8, 300)
+        assert goodput >= 0.97 * rates[0], f"seed {seed}: regret above 3%"
+        assert chosen[50:].count(0) >= 0.95 * 250  # converged to k = 0 within 50 steps
+
+
+@pytest.mark.parametrize("model", [PAYS, JUMP], ids=["pays", "k1-loses-larger-wins"])
+def test_auto_converges_to_the_best_k_where_speculation_pays(model):
+    expected, _ = _cost_model(**model)
+    k_max = 8
+    best, rates = _best_rate(expected, 1, k_max)
+    candidates = SpeculationPolicy("auto", k_max).candidates
+    best_candidate = max(candidates, key=rates.get)
+    assert best_candidate > 0 and rates[best_candidate] > 1.3 * rates[0]  # the premise: speculation pays
+    for seed in range(5):
+        _, sample = _cost_model(**model, seed=seed)
+        chosen, goodput = _run_auto(SpeculationPolicy("auto", k_max), sample, 1, 400)
+        near_best = {k for k in candidates if rates[k] >= 0.97 * rates[best_candidate]}
+        tail = chosen[50:]
+        assert sum(k in near_best for k in tail) >= 0.9 * len(tail), f"seed {seed}: not converged within 50 steps"
+        assert goodput >= 0.95 * rates[best_candidate]
+
+
+def test_auto_follows_a_load_change_both_ways():
+    pays_expected, pays = _cost_model(**PAYS, seed=1)
+    loses_expected, loses = _cost_model(**LOSES, seed=2)
+    policy = SpeculationPolicy("auto", 4)
+    before, _ = _run_auto(policy, pays, 4, 200)
+    assert before[-50:].count(0) == 0  # speculating
+    after, goodput = _run_auto(policy, loses, 4, 300)  # speculation stops paying: back to k = 0 quickly
+    assert after[20:].count(0) >= 0.95 * 280
+    rate0 = loses_expected(4, 0)[0] / loses_expected(4, 0)[1]
+    assert goodput >= 0.92 * rate0  # includes the ~20 steps that detect the change (stale estimates age out)
+    again, _ = _run_auto(policy, pays, 4, 1500)  # and it pays again: found by the budgeted re-measurement
+    assert again[-100:].count(0) <= 5
+
+
+def test_auto_keeps_separate_estimates_per_batch_size_and_respects_k_max():
+    _, pays = _cost_model(**PAYS)
+    _, loses = _cost_model(**LOSES)
+    policy = SpeculationPolicy("auto", 2)
+    small, _ = _run_auto(policy, pays, 1, 150)
+    large, _ = _run_auto(policy, loses, 16, 150)
+    small2, _ = _run_auto(policy, pays, 1, 50)
+    assert max(small + large) <= 2
+    assert small2.count(2) >= 45 and large[-100:].count(0) >= 95
+    assert SpeculationPolicy("auto", 0).choose(8) == 0
+
+
+def test_auto_is_the_default_speculation_mode():
+    from exspec.scheduler.types import SchedulerConfig
+
+    assert SchedulerConfig().speculation == "auto"

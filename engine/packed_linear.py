@@ -1,0 +1,89 @@
+"""oneDNN-prepacked linear layers for multi-row forwards on the CPU.
+
+On the CPU a linear over one row is memory-bound and MKL's sgemm is as fast as anything; over a few rows
+(a verify of k + 1 positions, a batch of rows) sgemm's throughput barely rises, while oneDNN with its
+weights reordered once into its blocked layout runs 2x to 3x faster (docs/BENCHMARKS.md, "Few-row GEMM").
+`PackedLinear` keeps both: one row goes to `F.linear`, more rows to the prepacked weight. The price is a
+second copy of every linear weight (kept beside the original, which tied embeddings still share).
+
+Selected by `prepack_linears` at load (EXSPEC_GEMM=packed, the CPU default for float32; EXSPEC_GEMM=default
+turns it off). Numbers differ from sgemm by float rounding only (a different summation order).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+GEMM_MODES = ("packed", "default")
+
+
+class _Packed:
+    """The prepacked copy of a weight and the weight version it was packed from. Not copied by deepcopy
+    (an opaque oneDNN tensor): a copy repacks at its first multi-row forward."""
+
+    def __init__(self) -> None:
+        self.tensor: torch.Tensor | None = None
+        self.version = -1
+
+    def __deepcopy__(self, memo) -> _Packed:
+        return _Packed()
+
+
+class PackedLinear(torch.nn.Module):
+    """A drop-in `nn.Linear` (same `weight` / `bias` parameters) with a oneDNN-prepacked copy for rows > 1.
+    The copy is refreshed whenever the weight is modified in place (its version counter moves)."""
+
+    def __init__(self, linear: torch.nn.Linear, max_rows: int = 64) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # [out, in]: shared with the original (tied embeddings stay tied)
+        self.bias = linear.bias  # [out] or None
+        self.max_rows = max_rows
+        self._packed = _Packed()
+
+    def _packed_weight(self) -> torch.Tensor:
+        if self._packed.version != self.weight._version or self._packed.tensor is None:
+            with torch.no_grad():
+                self._packed.tensor = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.max_rows)
+            self._packed.version = self.weight._version
+        return self._packed.tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        rows = x.numel() // self.in_features
+        if rows <= 1:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        flat = x.reshape(rows, self.in_features)  # [rows, in]
+        out = torch.ops.mkldnn._linear_pointwise(flat, self._packed_weight(), self.bias, "none", [], "")  # [rows, out]
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def gemm_mode(model: torch.nn.Module) -> str:
+    """The GEMM path for a loaded model, resolved once: $EXSPEC_GEMM, else "packed" for float32 on the CPU."""
+    name = os.environ.get("EXSPEC_GEMM") or None
+    if name is not None and name not in GEMM_MODES:
+        from exspec.errors import ExspecError
+
+        raise ExspecError(f"EXSPEC_GEMM must be one of {list(GEMM_MODES)}, got {name!r}")
+    param = next(model.parameters())
+    usable = param.device.type == "cpu" and param.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    if not usable:
+        return "default"
+    return name or "packed"
+
+
+def prepack_linears(model: torch.nn.Module) -> int:
+    """Replace every `nn.Linear` of the model by a `PackedLinear` (in place) when the mode is "packed".
+    Returns how many were replaced."""
+    if gemm_mode(model) != "packed":
+        return 0
+    swaps = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is torch.nn.Linear
+    ]
+    for parent, name, child in swaps:
+        setattr(parent, name, PackedLinear(child))
+    return len(swaps)
