@@ -19,6 +19,10 @@ FLAGS = {
                            "target and the draft, from their config.json)"),
     "num_speculative_tokens": ("K", "draft tokens per step (the largest k under an adaptive policy; default 4); "
                                     "0 decodes without speculation"),
+    "attention_backend": ("NAME", "auto | pool | gather | flash: how attention reads each row's K/V in the slot pool "
+                                  "(default auto: pool on CPU, gather on CUDA; flash needs flash_attn, untested here)"),
+    "gemm": ("MODE", "auto | packed | default: oneDNN-prepacked linears for multi-row CPU forwards (default auto: "
+                     "packed for float32 on CPU)"),
     "speculation": ("MODE", f"{' | '.join(SPECULATION_MODES)}: how k is chosen per step "
                             f"(default {Settings.model_fields['speculation'].default})"),
     "max_batch_size": ("B", "sequences per speculative step (default 8)"),
@@ -44,7 +48,7 @@ FLAGS = {
 # The fields of the model pair, the engine and the scheduler: serve, generate and bench take these.
 ENGINE_FIELDS = (
     "model", "draft_model", "device", "dtype", "max_model_len", "num_speculative_tokens", "speculation",
-    "max_batch_size", "pool_size",
+    "max_batch_size", "pool_size", "attention_backend", "gemm",
 )
 
 

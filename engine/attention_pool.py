@@ -5,7 +5,7 @@ into fresh tensors before attention. The backends here receive the layer's whole
 ([num_slots, kv_heads, pool_len, head_dim], written in place by `SlotKVCache.update`) plus a `PoolPlan`
 built once per forward on the host, and attend row by row over views of it, each row over its own length.
 
-Backends (choose with `ModelRunner(attention=...)` or the EXSPEC_ATTENTION environment variable):
+Backends (choose with `EngineConfig.attention`, flag `--attention-backend`, or `ModelRunner(attention=...)`):
 - "gather": the reference. The cache returns each row's K/V [0, longest) (a view for consecutive slots, an
   `index_select` copy otherwise) and masked SDPA runs once over the batch. Also the only path for "eager".
 - "pool": SDPA once per *run* of rows (consecutive slots, equal start) over the pool view

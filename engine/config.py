@@ -32,6 +32,8 @@ class EngineConfig:
     max_num_speculative_tokens: int = 8  # largest k a step may use (sizes the pool's slack)
     attn_implementation: str = "sdpa"  # "sdpa" or "eager"
     force_mixed: bool = False  # benchmarks only: every step through the mixed-length path, even equal lengths
+    attention: str = "auto"  # "auto" | "pool" | "gather" | "flash": how attention reads the slot pools (runner.py)
+    gemm: str = "auto"  # "auto" | "packed" | "default": oneDNN-prepacked linears for multi-row CPU forwards
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -48,6 +50,10 @@ class EngineConfig:
             raise ConfigError(
                 f"max_num_speculative_tokens must be in [0, 32], got {self.max_num_speculative_tokens}"
             )
+        if self.attention not in ("auto", "pool", "gather", "flash"):
+            raise ConfigError(f"attention must be auto, pool, gather or flash, got {self.attention!r}")
+        if self.gemm not in ("auto", "packed", "default"):
+            raise ConfigError(f"gemm must be auto, packed or default, got {self.gemm!r}")
         if self.attn_implementation not in ("sdpa", "eager"):
             raise ConfigError(f"attn_implementation must be 'sdpa' or 'eager', got {self.attn_implementation!r}")
 

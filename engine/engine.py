@@ -89,8 +89,13 @@ class SpecEngine:
         # Slack past max_model_len: a rectangular verify writes k + 1 columns from each row's pending token,
         # and rows near the end of their context fill the columns past their budget with padding.
         pool_len = self.max_model_len + self.max_k + 1
-        self.target = ModelRunner(self.pair.target, slots, pool_len, self.vocab_size)
-        self.draft = ModelRunner(self.pair.draft, slots, pool_len, self.vocab_size) if self.pair.draft is not None else None
+        att = config.attention
+        self.target = ModelRunner(self.pair.target, slots, pool_len, self.vocab_size, attention=att)
+        self.draft = (
+            ModelRunner(self.pair.draft, slots, pool_len, self.vocab_size, attention=att)
+            if self.pair.draft is not None
+            else None
+        )
         self.device = self.target.device
         self.allocator = SlotAllocator(slots)
         dev = self.device

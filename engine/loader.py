@@ -70,7 +70,7 @@ def _load_model(path: Path, role: str, cfg: EngineConfig) -> torch.nn.Module:
     if getattr(model.config, "is_encoder_decoder", False):
         raise ModelLoadError(f"{role} {str(path)!r} is an encoder-decoder model, not a decoder-only causal LM")
     model = model.to(cfg.device).eval()
-    prepack_linears(model)  # oneDNN-prepacked weights for multi-row forwards on the CPU (engine/packed_linear.py)
+    prepack_linears(model, cfg.gemm)  # oneDNN-prepacked weights for multi-row forwards on the CPU (engine/packed_linear.py)
     return model
 
 

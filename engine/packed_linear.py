@@ -6,13 +6,12 @@ weights reordered once into its blocked layout runs 2x to 3x faster (docs/BENCHM
 `PackedLinear` keeps both: one row goes to `F.linear`, more rows to the prepacked weight. The price is a
 second copy of every linear weight (kept beside the original, which tied embeddings still share).
 
-Selected by `prepack_linears` at load (EXSPEC_GEMM=packed, the CPU default for float32; EXSPEC_GEMM=default
-turns it off). Numbers differ from sgemm by float rounding only (a different summation order).
+Selected by `prepack_linears` at load (`EngineConfig.gemm`, flag `--gemm`: "auto" packs float32 models on the
+CPU; "default" turns it off). Numbers differ from sgemm by float rounding only (a different summation order).
 """
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -59,13 +58,13 @@ class PackedLinear(torch.nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def gemm_mode(model: torch.nn.Module) -> str:
-    """The GEMM path for a loaded model, resolved once: $EXSPEC_GEMM, else "packed" for float32 on the CPU."""
-    name = os.environ.get("EXSPEC_GEMM") or None
+def gemm_mode(model: torch.nn.Module, requested: str = "auto") -> str:
+    """The GEMM path for a loaded model, resolved once: `requested` ("auto": "packed" for float32 on the CPU)."""
+    name = None if requested == "auto" else requested
     if name is not None and name not in GEMM_MODES:
         from exspec.errors import ExspecError
 
-        raise ExspecError(f"EXSPEC_GEMM must be one of {list(GEMM_MODES)}, got {name!r}")
+        raise ExspecError(f"gemm must be one of auto, {', '.join(GEMM_MODES)}, got {requested!r}")
     param = next(model.parameters())
     usable = param.device.type == "cpu" and param.dtype == torch.float32 and torch.backends.mkldnn.is_available()
     if not usable:
@@ -73,10 +72,10 @@ def gemm_mode(model: torch.nn.Module) -> str:
     return name or "packed"
 
 
-def prepack_linears(model: torch.nn.Module) -> int:
+def prepack_linears(model: torch.nn.Module, requested: str = "auto") -> int:
     """Replace every `nn.Linear` of the model by a `PackedLinear` (in place) when the mode is "packed".
     Returns how many were replaced."""
-    if gemm_mode(model) != "packed":
+    if gemm_mode(model, requested) != "packed":
         return 0
     swaps = [
         (parent, name, child)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -42,7 +41,7 @@ class ModelRunner:
         num_slots: int,
         max_len: int,
         vocab_size: int,
-        attention: str | None = None,  # "gather" | "pool" | "flash"; None: $EXSPEC_ATTENTION, else the default
+        attention: str | None = None,  # "gather" | "pool" | "flash"; None or "auto": the default for the device
     ) -> None:
         self.model = model
         self.config = model.config
@@ -157,7 +156,7 @@ def resolve_attention(name: str | None, device: torch.device, attn_implementatio
     measured; "gather" on CUDA (unmeasured there: "flash" or "pool" are opt-in) and for "eager" (it adds a float
     mask to the scores of gathered K/V). "flash" is never a default: it has not run in exspec's CI (no GPU).
     """
-    name = name or os.environ.get("EXSPEC_ATTENTION") or None
+    name = None if name in (None, "auto") else name
     if name is not None and name not in BACKENDS:
         raise ExspecError(f"attention backend must be one of {list(BACKENDS)}, got {name!r}")
     if attn_implementation != EXSPEC_ATTENTION:

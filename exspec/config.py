@@ -43,6 +43,8 @@ class Settings(BaseSettings):
     dtype: str = "auto"  # auto (bfloat16 on cuda, float32 on cpu) or one of DTYPES
     max_model_len: int | None = Field(default=None, ge=2)  # default: the smaller position limit of the two models
     num_speculative_tokens: int = Field(default=4, ge=0, le=32)  # k (the largest k under an adaptive policy)
+    attention_backend: str = "auto"  # auto | pool | gather | flash: how attention reads the KV slot pools
+    gemm: str = "auto"  # auto | packed | default: oneDNN-prepacked linears for multi-row CPU forwards
     # the scheduler
     speculation: str = DEFAULT_SPECULATION
     max_batch_size: int = Field(default=8, ge=1, le=4096)  # B: sequences per speculative step
@@ -75,6 +77,10 @@ class Settings(BaseSettings):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "pool", "gather", "flash"):
+            raise ValueError(f"attention_backend must be auto, pool, gather or flash, got {self.attention_backend!r}")
+        if self.gemm not in ("auto", "packed", "default"):
+            raise ValueError(f"gemm must be auto, packed or default, got {self.gemm!r}")
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
         if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
@@ -177,6 +183,8 @@ def resolve(
         max_model_len=max_len,
         max_num_speculative_tokens=k,
         force_mixed=force_mixed,
+        attention=settings.attention_backend,
+        gemm=settings.gemm,
     )
     _check_pool_memory(engine, target, draft)
     scheduler = SchedulerConfig(

@@ -8,10 +8,10 @@ import pytest
 import torch
 from tests.engine.test_engine_equivalence import MIXED, MIXED_MAX, assert_matches_reference
 from tests.engine.test_kv_cache import _poison
-from tests.support.driver import run_to_end
+from tests.support.driver import admit, prefill, run_to_end, step
 from tests.support.models import random_prompts
 
-from exspec.engine import PrefillBatch, PrefillChunk, SamplingParams, StepBatch
+from exspec.engine import SamplingParams
 from exspec.engine.attention_pool import BACKENDS, PoolPlan, flash_available, plan_runs, pool_attention
 from exspec.engine.kv_cache import ForwardView, SlotKVCache
 from exspec.engine.runner import resolve_attention
@@ -22,8 +22,7 @@ ALL = [pytest.param(b, marks=pytest.mark.skipif(b not in RUNNABLE, reason="needs
 
 
 @pytest.fixture
-def backend(request, monkeypatch):
-    monkeypatch.setenv("EXSPEC_ATTENTION", request.param)
+def backend(request):
     return request.param
 
 
@@ -83,15 +82,13 @@ def test_pool_reading_update_returns_the_pools_themselves():
     assert keys.shape == (2, 2, 8, 8) and keys.data_ptr() != cache.keys[0].data_ptr()
 
 
-def test_backend_resolution(monkeypatch):
+def test_backend_resolution():
     cpu = torch.device("cpu")
-    monkeypatch.delenv("EXSPEC_ATTENTION", raising=False)
     assert resolve_attention(None, cpu, "exspec_sdpa") == "pool"
     assert resolve_attention(None, torch.device("cuda"), "exspec_sdpa") == "gather"  # unmeasured on CUDA
     assert resolve_attention("gather", cpu, "exspec_sdpa") == "gather"
     assert resolve_attention("pool", cpu, "eager") == "gather"  # eager adds a float mask to gathered K/V
-    monkeypatch.setenv("EXSPEC_ATTENTION", "gather")
-    assert resolve_attention(None, cpu, "exspec_sdpa") == "gather"
+    assert resolve_attention("auto", cpu, "exspec_sdpa") == "pool"
     with pytest.raises(ExspecError, match="attention backend must be one of"):
         resolve_attention("paged", cpu, "exspec_sdpa")
     if not flash_available(torch.device("cuda")):
@@ -105,12 +102,12 @@ def test_backend_resolution(monkeypatch):
 @pytest.mark.parametrize("backend", ALL, indirect=True)
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
 def test_mixed_lengths_at_scattered_slots_match_target(models, arch, backend):
-    engine = models.engine(arch, "noisy")
+    engine = models.engine(arch, "noisy", attention=backend)
     assert engine.target.attention == backend
     # Occupy every other slot first, so the batch's slots are scattered.
-    holders = [engine.add([5, 6], SamplingParams()) for _ in range(8)]
+    holders = [admit(engine, [5, 6], SamplingParams()) for _ in range(8)]
     for h in holders[::2]:
-        engine.free(h)
+        engine.free(h.seq_id)
     params = [SamplingParams(max_tokens=m) for m in MIXED_MAX[:8]]
     seqs, outs = run_to_end(engine, MIXED[:8], params, 3)
     assert sorted(s.slot for s in seqs) != list(range(min(s.slot for s in seqs), min(s.slot for s in seqs) + 8))
@@ -120,11 +117,12 @@ def test_mixed_lengths_at_scattered_slots_match_target(models, arch, backend):
 
 @pytest.mark.parametrize("backend", ALL, indirect=True)
 def test_grouped_then_forced_mixed_match_target(models, backend):
-    engine = models.engine("llama", "noisy")
+    engine = models.engine("llama", "noisy", attention=backend)
     prompts = random_prompts([24] * 6, seed=61)
     seqs, outs = run_to_end(engine, prompts, SamplingParams(max_tokens=12), 4)
     assert outs[1].kind == "grouped"
-    seqs2, outs2 = run_to_end(engine, prompts, SamplingParams(max_tokens=12), 2, force_mixed=True)
+    forced = models.engine("llama", "noisy", attention=backend, force_mixed=True)
+    seqs2, outs2 = run_to_end(forced, prompts, SamplingParams(max_tokens=12), 2)
     assert outs2[1].kind == "mixed"
     for p, a, b in zip(prompts, seqs, seqs2):
         assert a.output_token_ids == b.output_token_ids == models.reference("llama", p, 12)
@@ -132,15 +130,15 @@ def test_grouped_then_forced_mixed_match_target(models, backend):
 
 @pytest.mark.parametrize("backend", ALL, indirect=True)
 def test_chunked_prefill_with_padding_past_the_pool_matches_target(models, backend):
-    engine = models.engine("qwen3", "noisy", max_model_len=160)
+    engine = models.engine("qwen3", "noisy", max_model_len=160, attention=backend)
     a, d = random_prompts([150, 120], seed=31)
-    sa = engine.add(a, SamplingParams(max_tokens=30))
-    sd = engine.add(d, SamplingParams(max_tokens=12))
-    engine.prefill(PrefillBatch((PrefillChunk(sa, 0, 100),)))
-    engine.prefill(PrefillBatch((PrefillChunk(sa, 100, 150), PrefillChunk(sd, 0, 120))))  # padding past the pool
+    sa = admit(engine, a, SamplingParams(max_tokens=30))
+    sd = admit(engine, d, SamplingParams(max_tokens=12))
+    prefill(engine, [(sa, 0, 100)])
+    prefill(engine, [(sa, 100, 150), (sd, 0, 120)])  # padding past the pool
     live = [sa, sd]
     while live:
-        engine.step(StepBatch(tuple(live), 4))
+        step(engine, live, 4)
         live = [s for s in live if not s.finished]
     assert sa.output_token_ids == models.reference("qwen3", a, 10)
     assert sd.output_token_ids == models.reference("qwen3", d, 12)
@@ -148,7 +146,7 @@ def test_chunked_prefill_with_padding_past_the_pool_matches_target(models, backe
 
 @pytest.mark.parametrize("backend", ALL, indirect=True)
 def test_sliding_window_matches_target(models, backend):
-    engine = models.engine("mistral", "window")
+    engine = models.engine("mistral", "window", attention=backend)
     prompts = MIXED[:6]
     seqs, _ = run_to_end(engine, prompts, SamplingParams(max_tokens=12), 3)
     for prompt, seq in zip(prompts, seqs):
@@ -162,7 +160,7 @@ def test_stale_kv_is_never_read(models, backend):
     params = [SamplingParams(max_tokens=m) for m in (14, 13, 14, 7, 14, 11)]
     gen = torch.Generator().manual_seed(0)
     ks = [4, 1, 0, 6, 3]
-    engine = models.engine("llama", "noisy")
+    engine = models.engine("llama", "noisy", attention=backend)
     _poison(engine, [], gen)
     seqs, _ = run_to_end(engine, prompts, params, lambda i: ks[i % 5], before_step=lambda e, live: _poison(e, live, gen))
     for prompt, seq, prm in zip(prompts, seqs, params):

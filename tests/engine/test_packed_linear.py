@@ -37,8 +37,7 @@ def test_in_place_weight_change_repacks_and_copies_repack():
     torch.testing.assert_close(packed(x), torch.nn.functional.linear(x, packed.weight, packed.bias))  # untouched
 
 
-def test_prepack_keeps_parameters_and_ties(monkeypatch):
-    monkeypatch.delenv("EXSPEC_GEMM", raising=False)
+def test_prepack_keeps_parameters_and_ties():
     model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10, bias=False))
     model[1].weight = model[0].weight  # tied
     before = {id(p) for p in model.parameters()}
@@ -48,12 +47,10 @@ def test_prepack_keeps_parameters_and_ties(monkeypatch):
     assert prepack_linears(model) == 0  # idempotent
 
 
-def test_gemm_mode_env(monkeypatch):
+def test_gemm_mode():
     model = torch.nn.Linear(4, 4)
-    monkeypatch.setenv("EXSPEC_GEMM", "default")
-    assert gemm_mode(model) == "default" and prepack_linears(model) == 0
-    monkeypatch.setenv("EXSPEC_GEMM", "fast")
-    with pytest.raises(ExspecError, match="EXSPEC_GEMM must be one of"):
-        gemm_mode(model)
-    monkeypatch.delenv("EXSPEC_GEMM")
+    assert gemm_mode(model, "default") == "default" and prepack_linears(model, "default") == 0
+    with pytest.raises(ExspecError, match="gemm must be one of"):
+        gemm_mode(model, "fast")
+    assert gemm_mode(model) == "packed"
     assert gemm_mode(model.to(torch.bfloat16)) == "default"  # packing only for float32

@@ -83,8 +83,9 @@ def running_server(target: Path, draft: Path | None, *, max_model_len: int = 128
     )
     scheduler = AsyncScheduler(
         engine,
+        # A fixed k: these servers test speculation's paths and metrics, which `auto` (starting at k = 0) may skip.
         SchedulerConfig(max_batch_size=max_batch_size, pool_size=pool_size, max_waiting=max_waiting,
-                        num_speculative_tokens=num_speculative_tokens),
+                        num_speculative_tokens=num_speculative_tokens, speculation="fixed"),
     )
     app = build_app(scheduler, ServerConfig(**settings))
     with serve_in_thread(app) as (base_url, server, thread):
