@@ -132,6 +132,7 @@ class RunResult:
     seconds: float  # wall time, as defined in TIMING
     mean_acceptance_length: float | None  # tokens emitted per sequence per decode step (1.0 without drafts)
     grouped_fraction: float | None  # grouped / (grouped + mixed) decode steps; None outside our engine
+    forward_s_per_step: float | None = None  # our engine: seconds per decode step in the forwards (+ acceptance)
 
     @property
     def generated_tokens(self) -> int:
@@ -145,6 +146,7 @@ class BenchRow:
     tokens_per_s: float  # generated_tokens / decode_seconds
     mean_acceptance_length: float | None
     grouped_fraction: float | None
+    forward_ms_per_step: float | None  # our engine: ms per decode step in draft + target forwards (+ acceptance)
     equivalence_rate: float  # prompts whose token ids equal target-ar's at B = 1, over num_prompts
     near_ties: int  # divergences at a near-tie (reference top-2 logit gap < eps)
     real_divergences: int  # the other divergences
@@ -262,6 +264,9 @@ class Bench:
             tokens_per_s=first.generated_tokens / median_s if median_s > 0 else 0.0,
             mean_acceptance_length=first.mean_acceptance_length,
             grouped_fraction=first.grouped_fraction,
+            forward_ms_per_step=(
+                statistics.median(r.forward_s_per_step for r in runs) * 1e3 if first.forward_s_per_step else None
+            ),
             equivalence_rate=(n - len(divergences)) / n,
             near_ties=near,
             real_divergences=len(divergences) - near,
@@ -331,6 +336,7 @@ class Bench:
                 seconds=summary.wall_seconds,
                 mean_acceptance_length=summary.mean_acceptance_length,
                 grouped_fraction=summary.grouped_fraction,
+                forward_s_per_step=summary.forward_seconds_per_step,
             )
 
         return run

@@ -26,6 +26,7 @@ class RunSummary:
 
     num_generated_tokens: int = 0
     decode_seconds: float = 0.0  # wall time of decode (non-prefill) steps
+    forward_seconds: float = 0.0  # of which in the engine's forwards and acceptance (StepStats draft_s + verify_s)
     wall_seconds: float = 0.0  # whole run, prefill included
     steps: dict[str, int] = field(default_factory=lambda: {"grouped": 0, "mixed": 0, "prefill": 0})
     num_draft_tokens: int = 0  # proposed, over all rows of all steps
@@ -37,6 +38,13 @@ class RunSummary:
     def mean_acceptance_length(self) -> float:
         """Tokens emitted per sequence per decode step (1 + accepted drafts, before truncation)."""
         return self.num_decode_tokens / self.num_row_steps if self.num_row_steps else 0.0
+
+    @property
+    def forward_seconds_per_step(self) -> float:
+        """Seconds per decode step in the draft and target forwards (and acceptance): the cost model of
+        speculation, without scheduling and host overhead."""
+        decode = self.steps["grouped"] + self.steps["mixed"]
+        return self.forward_seconds / decode if decode else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -55,6 +63,7 @@ class RunSummary:
         self.steps[stats.kind] += 1
         if stats.kind != "prefill":
             self.decode_seconds += seconds
+            self.forward_seconds += stats.draft_s + stats.verify_s
             self.num_row_steps += stats.batch_size
             self.num_decode_tokens += stats.num_tokens
             self.num_draft_tokens += stats.num_proposed_tokens

@@ -209,3 +209,33 @@ def test_synthetic_pair_is_built_cached_and_benchmarked(tmp_path):
     assert "synthetic draft agreement" in md and f"{info['agreement']:.3f}" in md
     with pytest.raises(Exception, match="--synthetic must be one of"):
         ensure_synthetic_pair("huge", cache)
+
+
+def test_efficiency_compares_measured_speedup_with_the_ideal():
+    """ideal = tokens per step / (forward ms per step / target-ar's); measured/ideal is 1 when nothing is lost
+    outside the forwards."""
+    from exspec.bench.report import efficiency
+
+    rows = [
+        {"method": "target-ar", "batch_size": 1, "tokens_per_s": 100.0, "mean_acceptance_length": 1.0,
+         "forward_ms_per_step": 10.0},
+        {"method": "exspec-fixed", "batch_size": 1, "tokens_per_s": 150.0, "mean_acceptance_length": 3.0,
+         "forward_ms_per_step": 20.0},  # ideal 3 / 2 = 1.5x, measured 1.5x
+        {"method": "exspec", "batch_size": 1, "tokens_per_s": 120.0, "mean_acceptance_length": 2.0,
+         "forward_ms_per_step": 12.5},  # ideal 1.6x, measured 1.2x
+        {"method": "hf-assisted", "batch_size": 1, "tokens_per_s": 90.0, "mean_acceptance_length": 2.5,
+         "forward_ms_per_step": None},  # not our engine: no row
+    ]
+    table = "\n".join(efficiency(rows))
+    assert "| 1 | exspec-fixed | 3.00 | 20.00 | 10.00 | 1.50x | 1.50x | 1.00 |" in table
+    assert "| 1 | exspec | 2.00 | 12.50 | 10.00 | 1.60x | 1.20x | 0.75 |" in table
+    assert "hf-assisted" not in table
+    assert efficiency(rows[1:]) == []  # no target-ar to compare with
+
+
+def test_engine_rows_carry_their_forward_time(rows):
+    for r in rows:
+        if r["method"] in ("target-ar", *SPECULATIVE):
+            assert r["forward_ms_per_step"] > 0
+        else:
+            assert r["forward_ms_per_step"] is None

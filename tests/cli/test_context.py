@@ -82,3 +82,22 @@ def test_serve_advertises_and_serves_the_models_own_limit(gpt2_pair, reference):
             assert r.json()["choices"][0]["token_ids"] == reference(prompt, POSITIONS - len(prompt))
         too_long = {"model": models[0]["id"], "prompt": random_prompts([POSITIONS], seed=66)[0], "max_tokens": 1}
         assert httpx.post(base + "/v1/completions", json=too_long, timeout=60).status_code == 400
+
+
+def test_generate_chat_template_encodes_text_as_a_user_turn(tmp_path, reference, gpt2_pair):
+    """`exspec generate --chat-template`: a text prompt goes through the tokenizer's chat template, as
+    /v1/chat/completions does; the output is the target's greedy continuation of exactly those ids."""
+    from transformers import AutoTokenizer
+
+    target, draft = gpt2_pair
+    tok = AutoTokenizer.from_pretrained(target)
+    text = "the cat sat"
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False), add_special_tokens=False)
+    assert ids != tok.encode(text)
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"prompt": text}) + "\n")
+    rc = cli_main(["generate", "--model", str(target), "--draft-model", str(draft), "--input", str(src),
+                   "--output", str(dst), "--max-tokens", "8", "--chat-template", "--no-progress"])
+    assert rc == 0
+    assert json.loads(dst.read_text())["token_ids"] == reference(ids, 8)
