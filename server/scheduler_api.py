@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from exspec.engine.params import SamplingParams
+from exspec.scheduler import SamplingParams
 from exspec.scheduler.types import RequestOutput, StepStats
 
 

@@ -16,11 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-
-from exspec.errors import InvalidRequestError
-from exspec.engine.params import SamplingParams
+from exspec.scheduler import SamplingParams
 from exspec.scheduler.types import QueueFullError, RequestOutput, SchedulerClosedError
 from exspec.server import limits
 from exspec.server.config import ServerConfig
@@ -41,6 +37,10 @@ from exspec.server.protocol import (
     TextPart,
     UsageInfo,
 )
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from exspec.errors import InvalidRequestError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS_CAP = 1024  # chat default: the model length left, at most this
