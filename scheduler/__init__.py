@@ -1,24 +1,13 @@
-"""exspec scheduler: asyncio request queue feeding the EXSPEC sliding pool of same-length groups."""
+"""exspec scheduler: asyncio request queue feeding the EXSPEC sliding pool of same-length groups.
 
-from exspec.engine.params import (
-    SamplingParams,  # what a request asks for: part of the scheduler's interface
-)
+`SamplingParams` is re-exported: what a request asks for is part of the scheduler's interface to the server."""
+
+from exspec.engine.params import SamplingParams
 from exspec.scheduler.async_scheduler import AsyncScheduler, RequestStream
 from exspec.scheduler.core import EngineProtocol, SchedulerCore
 from exspec.scheduler.offline import OfflineResult, RunSummary, generate_offline
-from exspec.scheduler.policy import (
-    BatchChoice,
-    Candidate,
-    SpeculationPolicy,
-    choose_batch,
-)
-from exspec.scheduler.types import (
-    QueueFullError,
-    RequestOutput,
-    SchedulerClosedError,
-    SchedulerConfig,
-    StepStats,
-)
+from exspec.scheduler.policy import BatchChoice, Candidate, SpeculationPolicy, choose_batch
+from exspec.scheduler.types import QueueFullError, RequestOutput, SchedulerClosedError, SchedulerConfig, StepStats
 
 __all__ = [
     "AsyncScheduler",
