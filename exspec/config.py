@@ -153,7 +153,6 @@ def resolve(
     draft: Path | None,
     *,
     max_waiting: int | None = None,
-    force_mixed: bool = False,
 ) -> ResolvedConfig:
     """The engine's and the scheduler's configs for this pair. max_model_len defaults to the smaller position
     limit of the target and the draft; a larger value is an error naming the limit. k = 0 drops the draft."""
@@ -182,7 +181,6 @@ def resolve(
         max_num_seqs=pool,
         max_model_len=max_len,
         max_num_speculative_tokens=k,
-        force_mixed=force_mixed,
         attention=settings.attention_backend,
         gemm=settings.gemm,
     )

@@ -124,9 +124,7 @@ class AsyncScheduler:
         if not self.is_accepting:
             raise SchedulerClosedError(self._dead or "the server is shutting down and accepts no new requests")
         self.engine.check_prompt(prompt_token_ids)
-        check_params = getattr(self.engine, "check_params", None)
-        if check_params is not None:
-            check_params(params)
+        self.engine.check_params(params)
         request_id = request_id or uuid.uuid4().hex
         with self._lock:
             if request_id in self._streams:

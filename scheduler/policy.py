@@ -49,14 +49,14 @@ def age_threshold_for(max_wait_steps: int, pool_size: int, batch_size: int) -> i
 
 
 def choose_batch(
-    cands: list[Candidate], batch_size: int, group_threshold: int, age_threshold: int, force_mixed: bool = False
+    cands: list[Candidate], batch_size: int, group_threshold: int, age_threshold: int
 ) -> BatchChoice:
     if not cands:
         return BatchChoice((), False)
     by_wait = sorted(cands, key=lambda c: (-c.waited, c.order))
     oldest = by_wait[:batch_size]
-    if force_mixed or by_wait[0].waited >= age_threshold:
-        return BatchChoice(tuple(c.key for c in oldest), _same_length(oldest) and not force_mixed)
+    if by_wait[0].waited >= age_threshold:
+        return BatchChoice(tuple(c.key for c in oldest), _same_length(oldest))
     groups: dict[int, list[Candidate]] = defaultdict(list)
     for c in by_wait:  # each group stays in (waited desc, arrival) order
         groups[c.length].append(c)

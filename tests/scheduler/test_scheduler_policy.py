@@ -43,12 +43,6 @@ def test_aging_forces_a_fair_step():
     assert 3 in choice.keys and not choice.grouped
 
 
-def test_force_mixed_never_groups():
-    c = cands((5, 0), (5, 0), (5, 0))
-    choice = choose_batch(c, batch_size=8, group_threshold=2, age_threshold=100, force_mixed=True)
-    assert not choice.grouped and len(choice.keys) == 3
-
-
 def test_infeasible_wait_bound_is_rejected():
     with pytest.raises(ValueError, match="ceil"):
         age_threshold_for(max_wait_steps=3, pool_size=32, batch_size=8)

@@ -58,6 +58,10 @@ class FakeEngine:
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError("prompt too long")
 
+    def check_params(self, params: SamplingParams) -> None:
+        if params.top_k > self.vocab_size:
+            raise InvalidRequestError(f"top_k must be in [0, {self.vocab_size}]")
+
     def add(self, seq_id, ids, params: SamplingParams) -> None:
         self.check_prompt(ids)
         if not self._free:
