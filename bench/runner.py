@@ -18,6 +18,8 @@ Methods (`METHODS`):
 - `exspec-fixed`: exspec at a fixed k with EXSPEC grouping, pool W = pool_factor * B.
 - `exspec`: exspec exactly as served by default: `SchedulerConfig`'s default speculation policy (not passed
   here, so the row follows the default wherever it goes), k as the largest k, pool W = pool_factor * B.
+  As in a server, whose one scheduler keeps its policy across requests, each (method, B) keeps one policy
+  across its warm-up and timed runs: what the policy learned in one run carries into the next.
 
 Output equivalence is measured against `target-ar` at B = 1, per prompt: identical generated token ids, or
 a divergence, classified as a near-tie when the reference's top-2 logit gap at the first differing position
@@ -54,7 +56,7 @@ from exspec.engine import (
     SpecEngine,
     load_model_pair,
 )
-from exspec.scheduler import SchedulerConfig, generate_offline
+from exspec.scheduler import SchedulerConfig, SpeculationPolicy, generate_offline
 
 from exspec.errors import BenchError
 
@@ -323,11 +325,14 @@ class Bench:
             pair=pair,
         )
         sched = self._scheduler_config(method, b)
+        # One policy per (method, B), kept across the warm-up and the timed runs as a server's scheduler keeps
+        # it across requests: each run then measures the policy's steady state, not its first steps again.
+        policy = SpeculationPolicy(sched.speculation, k)
 
         def run(prompts: list[list[int]], warmup: bool = False) -> RunResult:
             max_tokens = min(8, cfg.max_tokens) if warmup else cfg.max_tokens
             params = [SamplingParams(max_tokens=max_tokens)] * len(prompts)
-            results, summary = generate_offline(engine, prompts, params, sched)
+            results, summary = generate_offline(engine, prompts, params, sched, speculation=policy)
             failed = [r for r in results if r.error]
             if failed:
                 raise BenchError(f"{method} B={b}: prompt {failed[0].index} failed: {failed[0].error}")

@@ -202,9 +202,16 @@ class SpecEngine:
         cols = to_device(starts, dev)[:, None] + torch.arange(q_len, device=dev)  # [B, Q]
         tokens = self.token_buf[slot_t[:, None], cols.clamp(max=self.token_buf.shape[1] - 1)]  # [B, Q]
         last = to_device(widths, dev)[:, None] - 1  # [B, 1]
+        # The draft takes the chunk only where its cache reaches the chunk's start (a prompt begun without
+        # the draft is caught up by its first drafting step instead).
+        fed = [batch.draft and self.draft is not None and st.draft_len == c.start for c, st in zip(chunks, states)]
         t0 = self._clock.mark()
-        if self.draft is not None:
+        if all(fed):
             self.draft.extend(tokens, starts, slots, select=last)
+        elif any(fed):
+            idx = [i for i, f in enumerate(fed) if f]
+            rows = to_device(idx, dev)  # [b]
+            self.draft.extend(tokens[rows], [starts[i] for i in idx], [slots[i] for i in idx], select=last[rows])
         t1 = self._clock.mark()
         logits = self.target.extend(tokens, starts, slots, select=last)  # [B, 1, V]
         rows = self._row_params(states, slot_t)
@@ -215,9 +222,10 @@ class SpecEngine:
         t2 = self._clock.mark()
         first_ids = first.tolist()  # the one host sync
         outputs = []
-        for chunk, st, tok in zip(chunks, states, first_ids):
+        for chunk, st, tok, draft_fed in zip(chunks, states, first_ids, fed):
             st.num_prefilled = chunk.end
-            st.draft_len = chunk.end if self.draft is not None else 0
+            if draft_fed:
+                st.draft_len = chunk.end
             done = chunk.end == st.prompt_len
             if done:
                 st.length += 1
@@ -243,12 +251,16 @@ class SpecEngine:
         """
         plan = self._plan(batch)
         t0 = self._clock.mark()
-        draft = self._propose(plan) if plan.k > 0 else None
+        draft_lens, caught_up = self._catch_up(plan) if plan.k > 0 else (None, False)
+        tc = self._clock.mark()
+        draft = self._propose(plan, draft_lens) if plan.k > 0 else None
         t1 = self._clock.mark()
         logits = self._verify(plan, draft)  # [B, k + 1, V]
         tokens, num_accepted = self._accept(plan, draft, logits)  # [B, k + 1], [B]
         t2 = self._clock.mark()
-        return self._commit(plan, tokens, num_accepted, self._clock.seconds(t0, t1), self._clock.seconds(t1, t2))
+        seconds = self._clock.seconds
+        catchup_s = seconds(t0, tc) if caught_up else 0.0
+        return self._commit(plan, tokens, num_accepted, seconds(t0, t1), seconds(t1, t2), catchup_s)
 
     def _plan(self, batch: StepBatch) -> StepPlan:
         """Resolve the batch: each row's draft budget, the batch shape, and the per-step device tensors."""
@@ -288,11 +300,35 @@ class SpecEngine:
             rows=self._row_params(states, slot_t),
         )
 
-    def _propose(self, plan: StepPlan) -> Draft:
-        """Catch the draft cache up to the pending token, then propose k tokens autoregressively."""
+    def _catch_up(self, plan: StepPlan) -> tuple[list[int], bool]:
+        """Feed the draft what it skipped (steps without drafts, a prompt prefilled without it) for the rows
+        more than 2 tokens behind, in one forward of those rows only, up to (not including) the pending
+        token. Returns each row's draft length after it (the state moves only at commit) and whether any
+        row was fed."""
+        draft_lens = [st.draft_len for st in plan.states]
+        behind = [i for i, (n, d) in enumerate(zip(plan.lengths, draft_lens)) if n - d > 2]
+        if not behind:
+            return draft_lens, False
+        dev = self.device
+        width = max(plan.lengths[i] - 1 - draft_lens[i] for i in behind)
+        # As in _propose: a row less behind re-feeds cached positions (the same K/V); one shorter than the
+        # width starts at 0, and its right padding lands at or past its pending position, rewritten below.
+        starts = [max(plan.lengths[i] - 1 - width, 0) for i in behind]
+        slots = [plan.slots[i] for i in behind]
+        cols = to_device(starts, dev)[:, None] + torch.arange(width, device=dev)  # [b, W]
+        rows = to_device(behind, dev)  # [b]
+        tokens = self.token_buf[plan.slot_t[rows][:, None], cols.clamp(max=self.token_buf.shape[1] - 1)]  # [b, W]
+        last = torch.zeros(len(behind), 1, dtype=torch.long, device=dev)  # [b, 1]: logits are not used
+        self.draft.extend(tokens, starts, slots, select=last, force_per_row=True)
+        for i in behind:
+            draft_lens[i] = plan.lengths[i] - 1
+        return draft_lens, True
+
+    def _propose(self, plan: StepPlan, draft_lens: list[int]) -> Draft:
+        """Feed the draft up to the pending token, then propose k tokens autoregressively."""
         dev = self.device
         mixed = not plan.grouped
-        width = max(n - st.draft_len for n, st in zip(plan.lengths, plan.states))  # 1 normally, 2 after a full accept
+        width = max(n - d for n, d in zip(plan.lengths, draft_lens))  # 1 normally, 2 after a full accept
         # Re-feeding an already cached position rewrites the same K/V, so every row can start `width`
         # back from its pending token; only rows shorter than `width` start at 0.
         starts = [max(n - width, 0) for n in plan.lengths]
@@ -340,7 +376,9 @@ class SpecEngine:
         self.token_buf[plan.slot_t[:, None], cols] = tokens
         return tokens, num_accepted
 
-    def _commit(self, plan: StepPlan, tokens, num_accepted, draft_s: float, verify_s: float) -> StepOutput:
+    def _commit(
+        self, plan: StepPlan, tokens, num_accepted, draft_s: float, verify_s: float, catchup_s: float = 0.0
+    ) -> StepOutput:
         """The one host sync; advance each row's lengths by what it accepted. Rollback of rejected drafts is
         not advancing: nothing is copied."""
         packed = torch.cat([tokens, num_accepted[:, None]], dim=1).tolist()  # [B, k + 2]
@@ -364,6 +402,7 @@ class SpecEngine:
             accepted_per_position=tuple(per_pos),
             draft_s=draft_s,
             verify_s=verify_s,
+            catchup_s=catchup_s,
         )
 
     # ------------------------------------------------------------------ helpers

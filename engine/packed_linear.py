@@ -1,10 +1,12 @@
 """oneDNN-prepacked linear layers for multi-row forwards on the CPU.
 
-On the CPU a linear over one row is memory-bound and MKL's sgemm is as fast as anything; over a few rows
-(a verify of k + 1 positions, a batch of rows) sgemm's throughput barely rises, while oneDNN with its
-weights reordered once into its blocked layout runs 2x to 3x faster (docs/BENCHMARKS.md, "Few-row GEMM").
-`PackedLinear` keeps both: one row goes to `F.linear`, more rows to the prepacked weight. The price is a
-second copy of every linear weight (kept beside the original, which tied embeddings still share).
+On the CPU, over a few rows (a verify of k + 1 positions, a batch of rows) MKL's sgemm throughput barely rises,
+while oneDNN with its weights reordered once into its blocked layout runs 2x to 3x faster (docs/BENCHMARKS.md,
+"Few-row GEMM"). One row is memory-bound: in real decoding of a 350M model (weights far larger than the caches)
+sgemm is 1.24x faster than the packed weight on 1 torch thread, and 1.21x slower on 2, where oneDNN uses both
+cores and sgemm's one-row path does not ("One-row forwards"). `PackedLinear` keeps both: one row goes to
+`F.linear` on 1 thread, everything else to the prepacked weight. The price is a second copy of every linear
+weight (kept beside the original, which tied embeddings still share).
 
 Selected by `prepack_linears` at load (`EngineConfig.gemm`, flag `--gemm`: "auto" packs float32 models on the
 CPU; "default" turns it off). Numbers differ from sgemm by float rounding only (a different summation order).
@@ -31,7 +33,8 @@ class _Packed:
 
 
 class PackedLinear(torch.nn.Module):
-    """A drop-in `nn.Linear` (same `weight` / `bias` parameters) with a oneDNN-prepacked copy for rows > 1.
+    """A drop-in `nn.Linear` (same `weight` / `bias` parameters) with a oneDNN-prepacked copy (every forward
+    but one row on one thread).
     The copy is refreshed whenever the weight is modified in place (its version counter moves)."""
 
     def __init__(self, linear: torch.nn.Linear, max_rows: int = 64) -> None:
@@ -51,7 +54,7 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.numel() // self.in_features
-        if rows <= 1:
+        if rows <= 1 and torch.get_num_threads() == 1:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)  # [rows, in]
         out = torch.ops.mkldnn._linear_pointwise(flat, self._packed_weight(), self.bias, "none", [], "")  # [rows, out]

@@ -15,8 +15,9 @@ class SeqState:
     Cache invariants (positions are token indices, 0-based):
     - the token at `length - 1` is *pending*: the last token, not yet fed to the target. The target's KV is
       valid for positions [0, length - 1) once the prompt is prefilled.
-    - The draft's KV is valid for positions [0, draft_len); draft_len <= length - 1. The draft is caught up
-      (fed positions draft_len..length-1) at the start of every drafting phase.
+    - The draft's KV is valid for positions [0, draft_len); draft_len <= length - 1 (0 until a prompt chunk is
+      fed to it: a prefill may leave the draft out). The draft is caught up (fed positions draft_len..length-1)
+      at the start of every drafting step.
     - Positions at or past these bounds hold stale K/V from rejected drafts or padding: they are never read
       (the mask stops at the query's own position) and are overwritten before use.
     """

@@ -20,6 +20,8 @@ class PrefillChunk:
 @dataclass(frozen=True)
 class PrefillBatch:
     chunks: tuple[PrefillChunk, ...]  # distinct sequences, each still prefilling
+    draft: bool = True  # feed the chunks to the draft too. False leaves the draft behind: the first step
+    # that drafts for a sequence catches its draft up (a scheduler that expects no drafts saves the work)
 
 
 @dataclass(frozen=True)
@@ -47,3 +49,5 @@ class StepOutput:
     accepted_per_position: tuple[int, ...]  # [k]: sequences whose i-th draft token was accepted
     draft_s: float  # seconds drafting (catch-up + k draft forwards)
     verify_s: float  # seconds in the target forward and acceptance
+    catchup_s: float = 0.0  # of draft_s: feeding the draft tokens it skipped (a prompt prefilled without the
+    # draft, steps without drafts): paid once per token, not a steady cost of this step's k

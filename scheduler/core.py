@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from exspec.engine.params import SamplingParams
 from exspec.engine.types import PrefillBatch, PrefillChunk, StepBatch, StepOutput
 from exspec.errors import ConfigError, ExspecError
-from exspec.scheduler.policy import Candidate, SpeculationPolicy, age_threshold_for, choose_batch
+from exspec.scheduler.policy import Candidate, SpeculationPolicy, age_threshold_for, choose_batch, plan_prefill
 from exspec.scheduler.request import IncrementalDetokenizer, Request, RequestState
 from exspec.scheduler.stopping import StopRule
 from exspec.scheduler.types import RequestOutput, SchedulerConfig, StepStats
@@ -50,7 +50,11 @@ INTERNAL_ERROR = "internal error while generating this request; the server log h
 
 
 class SchedulerCore:
-    def __init__(self, engine: EngineProtocol, config: SchedulerConfig) -> None:
+    def __init__(
+        self, engine: EngineProtocol, config: SchedulerConfig, speculation: SpeculationPolicy | None = None
+    ) -> None:
+        """`speculation`: a policy carried over from an earlier core, with what it measured (a server's one
+        scheduler keeps its policy across requests; an offline caller running batch after batch may too)."""
         if config.pool_size > engine.num_slots:
             raise ConfigError(
                 f"pool_size ({config.pool_size}) exceeds the engine's KV slots ({engine.num_slots}): "
@@ -63,7 +67,7 @@ class SchedulerCore:
         self.engine = engine
         self.config = config
         k_max = config.num_speculative_tokens if engine.has_draft else 0
-        self.speculation = SpeculationPolicy(config.speculation, k_max)
+        self.speculation = speculation or SpeculationPolicy(config.speculation, k_max)
         self.waiting: deque[Request] = deque()
         self.pool: list[Request] = []  # admitted: prefilling or running, in arrival order
         self._by_seq: dict[int, Request] = {}  # engine sequence id -> request, while admitted
@@ -149,19 +153,16 @@ class SchedulerCore:
             self._by_seq[seq_id] = req
 
     def _prefill_step(self, prefilling: list[Request], t0: float) -> tuple[list[Delta], list[StepStats]]:
-        budget = self.config.max_prefill_tokens
-        ends: dict[int, int] = {}  # seq_id -> end of this step's chunk
-        for req in prefilling:
-            if budget <= 0:
-                break
-            ends[req.seq_id] = min(req.prompt_len, req.num_prefilled + budget)
-            budget -= ends[req.seq_id] - req.num_prefilled
-        reqs = [r for r in prefilling if r.seq_id in ends]
+        n, width = plan_prefill([r.prompt_len - r.num_prefilled for r in prefilling], self.config.max_prefill_tokens)
+        reqs = prefilling[:n]
+        draft = self.speculation.drafting()  # False: the policy runs without drafts; steps that draft catch up
+        ends = {r.seq_id: min(r.prompt_len, r.num_prefilled + width) for r in reqs}  # seq_id -> end of this chunk
         t1 = time.perf_counter()
         self._last_was_prefill = True
 
         def call(batch: list[Request]) -> StepOutput:
-            return self.engine.prefill(PrefillBatch(tuple(PrefillChunk(r.seq_id, r.num_prefilled, ends[r.seq_id]) for r in batch)))
+            chunks = tuple(PrefillChunk(r.seq_id, r.num_prefilled, ends[r.seq_id]) for r in batch)
+            return self.engine.prefill(PrefillBatch(chunks, draft=draft))
 
         deltas, stats = [], []
         for batch, out in self._run_isolated(reqs, call):
@@ -196,7 +197,7 @@ class SchedulerCore:
             # The policy weighs k by what a step really costs: its whole wall time (scheduling, forwards,
             # sampling, cutting, deltas); only while a failing row is isolated, each call's own forward time.
             seconds = time.perf_counter() - t0 if len(runs) == 1 else out.draft_s + out.verify_s
-            self.speculation.observe(len(batch), out.num_draft_tokens, kept, seconds)
+            self.speculation.observe(len(batch), out.num_draft_tokens, kept, seconds, out.catchup_s)
             deltas += new
             stats.append(self._stats(out, t1 - t0, 0, kept))
         return deltas, stats

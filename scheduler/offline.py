@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from exspec.engine.params import SamplingParams
 from exspec.scheduler.core import EngineProtocol, SchedulerCore
+from exspec.scheduler.policy import SpeculationPolicy
 from exspec.scheduler.request import Request
 from exspec.scheduler.types import SchedulerConfig, StepStats
 
@@ -76,9 +77,11 @@ def generate_offline(
     params: list[SamplingParams],
     config: SchedulerConfig,
     progress: bool = False,
+    speculation: SpeculationPolicy | None = None,
 ) -> tuple[list[OfflineResult], RunSummary]:
-    """Run every prompt to completion; results come back in input order."""
-    core = SchedulerCore(engine, config)
+    """Run every prompt to completion; results come back in input order. `speculation`: a policy to keep
+    across calls (what it measured carries over, as in a server); None: a fresh one from `config`."""
+    core = SchedulerCore(engine, config, speculation)
     reqs = [Request(str(i), list(p), sp, order=i) for i, (p, sp) in enumerate(zip(prompts, params))]
     for r in reqs:
         core.add(r)

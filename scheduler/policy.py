@@ -72,6 +72,38 @@ def _same_length(cands: list[Candidate]) -> bool:
     return all(c.length == cands[0].length for c in cands)
 
 
+def plan_prefill(remaining: list[int], budget: int) -> tuple[int, int]:
+    """The next prefill step over sequences waiting to prefill (FIFO order, `remaining` prompt tokens each):
+    returns (n, width): the first n of them each get a chunk of min(remaining, width) tokens.
+
+    A prefill forward is rectangular, [n, longest chunk], so it costs what n * width tokens cost, real or
+    padding: the step keeps n * width <= budget. Among the FIFO prefixes it takes the one that prefills the
+    most real tokens without cutting any prompt, unless cutting (every chunk at most budget // n) prefills
+    more than twice as many: short prompts share a step unsplit, and a long one is chunked instead of
+    padding everything beside it to its length (measured on the demo pair: 32 chat prompts of 15 to 964
+    tokens in a pool of 32 padded to 2.0x their tokens when steps were bounded by real tokens only).
+    """
+    if not remaining or budget < 1:
+        return 0, 0
+    whole = (0, 0, 0)  # (real tokens, n, width): the best prefix prefilled to the end of every prompt
+    cut = (0, 0, 0)  # the best prefix with chunks of at most budget // n
+    longest = 0
+    for n, r in enumerate(remaining[:budget], start=1):
+        longest = max(longest, r)
+        if n * longest <= budget:
+            real = sum(remaining[:n])
+            if real > whole[0]:
+                whole = (real, n, longest)
+        width = min(longest, budget // n)
+        real = sum(min(x, width) for x in remaining[:n])
+        if real > cut[0]:
+            cut = (real, n, width)
+        if cut[0] == budget:
+            break  # a full step: no longer prefix prefills more
+    best = whole if 2 * whole[0] >= cut[0] else cut
+    return best[1], best[2]
+
+
 class SpeculationPolicy:
     """How many draft tokens a step uses.
 
@@ -113,12 +145,22 @@ class SpeculationPolicy:
             return self.candidates[(self._steps[b] // self.explore_every) % len(self.candidates)]
         return max(self.candidates, key=lambda k: self._rate[(b, k)])
 
-    def observe(self, batch_size: int, k: int, num_tokens: int, seconds: float) -> None:
+    def drafting(self) -> bool:
+        """Whether steps are expected to draft: False only when the policy has measured that no batch size
+        gains from drafts, so prompts can be prefilled without the draft (a step that drafts catches it up)."""
+        if self.k_max == 0:
+            return False
+        return self._auto.drafting() if self._auto is not None else True
+
+    def observe(self, batch_size: int, k: int, num_tokens: int, seconds: float, catchup_s: float = 0.0) -> None:
+        """A decode step's result: `seconds` of wall time, of which `catchup_s` fed the draft tokens it skipped
+        (paid once per token, not a cost of k)."""
         if self.mode == "fixed" or seconds <= 0:
             return
         if self._auto is not None:
-            self._auto.observe(batch_size, k, num_tokens, seconds)
+            self._auto.observe(batch_size, k, num_tokens, seconds, catchup_s)
             return
+        seconds -= catchup_s
         key = (self.bucket(batch_size), k)
         rate = num_tokens / seconds
         self._count[key] += 1
@@ -145,8 +187,9 @@ class GoodputPolicy:
       `budget` of the time run on the best k since. Those steps emit tokens too, so past the warm-up the
       goodput lost to exploration stays below `budget`. This
       also corrects warm-up samples taken while the machine was cold (first-touch page faults, new shapes).
-    - The first step with drafts after steps without them also feeds the draft every token it skipped (the
-      engine's catch-up): its time is counted, but it is not a sample of that k's steady goodput.
+    - A step that drafts also feeds the draft what it skipped (steps without drafts, prompts prefilled without
+      it while the policy ran on k = 0: `drafting()`); the engine reports that catch-up time apart. It counts
+      toward the exploration budget but not in k's goodput: it is paid once per token, whatever k follows.
     - Costs drift (load, lengths): only the last `window` samples count; when the best k's estimate falls
       below another's, that one runs and is measured again.
     k follows measured time, so it differs between runs: greedy outputs do not depend on k (token-identical
@@ -181,7 +224,6 @@ class GoodputPolicy:
         self._since_s: dict[int, float] = defaultdict(float)  # bucket -> seconds on the best k since then
         self._exploring: dict[int, bool] = {}  # bucket -> the pending step explores
         self._burst_left: dict[int, tuple[int, int]] = {}  # bucket -> (k, steps left) of an exploration burst
-        self._last_k: int | None = None  # k of the last observed step (any bucket): catch-up detection
 
     bucket = staticmethod(SpeculationPolicy.bucket)
 
@@ -233,7 +275,13 @@ class GoodputPolicy:
             self._rate.pop((b, k), None)
         return k
 
-    def observe(self, batch_size: int, k: int, num_tokens: int, seconds: float) -> None:
+    def drafting(self) -> bool:
+        """False once every batch-size bucket seen has finished its warm-up and measures k = 0 the best."""
+        if not self._steps:
+            return True
+        return any(self._warmup_candidate(b) is not None or self.best(b) > 0 for b in self._steps)
+
+    def observe(self, batch_size: int, k: int, num_tokens: int, seconds: float, catchup_s: float = 0.0) -> None:
         if seconds <= 0:
             return
         b = self.bucket(batch_size)
@@ -243,15 +291,12 @@ class GoodputPolicy:
             self._burst_s[b] += seconds
         else:
             self._since_s[b] += seconds
-        caught_up = k > 0 and self._last_k == 0
-        self._last_k = k
         key = (b, k)
         self._count[key] += 1
         self._seen[key] = self._steps[b]
+        steady = seconds - min(catchup_s, 0.9 * seconds)  # k's own cost: without the one-off catch-up
         samples = self._samples.setdefault(key, deque(maxlen=self.window))
-        if caught_up and samples:
-            return  # this step also fed the draft what it skipped: not a sample of k's steady goodput
-        samples.append((num_tokens, seconds))
+        samples.append((num_tokens, steady))
         self._rate[key] = sum(n for n, _ in samples) / sum(t for _, t in samples)
 
     def rates(self) -> dict[tuple[int, int], float]:

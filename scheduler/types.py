@@ -16,7 +16,7 @@ class SchedulerConfig:
     speculation: str = "auto"  # "auto" (goodput-driven k that cannot lose, policy.GoodputPolicy) | "fixed" | "adaptive"
     min_group_size: int = 0  # a same-length group smaller than this runs as a mixed batch; 0: B // 2 (at least 2)
     max_wait_steps: int = 8  # aging: a running sequence waits at most this many decode steps
-    max_prefill_tokens: int = 512  # prompt tokens prefilled per step at most (chunked beyond it)
+    max_prefill_tokens: int = 512  # rows x width of a prefill step at most, padding included (chunked beyond it)
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str, value: object) -> None:

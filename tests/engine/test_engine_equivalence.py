@@ -138,6 +138,38 @@ def test_steps_without_speculation_match_target(models, arch, schedule):
         assert num_accepted(outs) > 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_prompts_prefilled_without_the_draft_are_caught_up_by_the_first_drafting_step(models, arch):
+    """A prefill may leave the draft out (the policy expects no drafts); the first step that drafts feeds
+    the draft each row's whole context, apart, so a draft identical to the target accepts every token at
+    once, and every row matches the target."""
+    engine = models.engine(arch, "same")
+    seqs, outs = run_to_end(engine, MIXED, [SamplingParams(max_tokens=m) for m in MIXED_MAX], 4, prefill_draft=False)
+    assert outs[1].catchup_s > 0
+    assert all(o.num_accepted == o.num_draft_tokens == 4 for o in outs[1].outputs)
+    assert all(out.catchup_s == 0.0 for out in outs[2:])  # caught up once; a full accept leaves it 2 behind
+    assert_matches_reference(models, arch, MIXED, seqs, MIXED_MAX)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_chunked_prefill_with_and_without_the_draft(models, arch):
+    """Chunks fed to the draft only part of the way: the draft takes a chunk only where its cache reaches
+    the chunk's start; the rest is caught up by the first drafting step."""
+    engine = models.engine(arch, "same")
+    prompts = [p for p in PROMPTS if len(p) >= 40][:6]
+    seqs = [admit(engine, p, SamplingParams(max_tokens=9)) for p in prompts]
+    cut = [len(p) // 2 for p in prompts]
+    prefill(engine, [(s, 0, c) for s, c in zip(seqs[:3], cut)], draft=False)
+    prefill(engine, [(s, 0, c) for s, c in zip(seqs[3:], cut[3:])], draft=True)
+    prefill(engine, [(s, c, s.prompt_len) for s, c in zip(seqs, cut)], draft=True)  # first 3: draft not fed
+    out = step(engine, seqs, 4)
+    assert out.catchup_s > 0
+    assert all(o.num_accepted == 4 for o in out.outputs)
+    while not all(s.finished for s in seqs):
+        step(engine, [s for s in seqs if not s.finished], 4)
+    assert_matches_reference(models, arch, prompts, seqs, 9)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_rows_without_speculation_mixed_with_speculating_rows(models, arch):
     """use_speculation=False rows share the batch with rows that accept everything: they accept nothing

@@ -67,7 +67,7 @@ def test_prefill_is_chunked_and_interleaved_with_decoding():
     # A 30-token prompt with an 8-token budget takes 4 prefill steps, never two in a row while 0 decodes.
     assert kinds.count("prefill") == 4
     assert all(not (a == b == "prefill") for a, b in zip(kinds, kinds[1:]))
-    assert all(sum(c.end - c.start for c in p.chunks) <= 8 for p in eng.prefills)
+    assert all(len(p.chunks) * max(c.end - c.start for c in p.chunks) <= 8 for p in eng.prefills)  # padded
 
 
 def test_abort_frees_slot_at_step_boundary():
@@ -220,3 +220,36 @@ def test_seeded_sampling_decodes_without_drafts_unless_k_is_fixed():
         core.step()
         assert eng.seqs[0].params.use_speculation is speculating, mode
         assert eng.seqs[1].params.use_speculation is True, mode
+
+
+def test_prefill_steps_are_bounded_by_padded_tokens_and_chunk_long_prompts():
+    """A long prompt beside short ones is chunked rather than padding every row to its length; every
+    prompt is prefilled exactly once, in FIFO order of first chunks."""
+    eng = FakeEngine()
+    core = SchedulerCore(eng, SchedulerConfig(max_batch_size=8, pool_size=8, max_prefill_tokens=64))
+    lens = [5, 200, 6, 7, 4, 90]
+    for i, n in enumerate(lens):
+        core.add(req(i, prompt_len=n, max_tokens=1))
+    while core.has_work():
+        core.step()
+    fed: dict[int, int] = {}
+    for p in eng.prefills:
+        widths = [c.end - c.start for c in p.chunks]
+        assert len(widths) * max(widths) <= 64
+        for c in p.chunks:
+            assert c.start == fed.get(c.seq_id, 0)  # each chunk continues the last
+            fed[c.seq_id] = c.end
+    assert sorted(fed.values()) == sorted(lens)
+    real = sum(lens)
+    padded = sum(len(p.chunks) * max(c.end - c.start for c in p.chunks) for p in eng.prefills)
+    assert padded <= 1.5 * real
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_prompts_skip_the_draft_only_when_the_policy_expects_no_drafts(k):
+    eng = FakeEngine()
+    core = SchedulerCore(eng, SchedulerConfig(max_batch_size=2, pool_size=2, speculation="fixed", num_speculative_tokens=k))
+    core.add(req(0, prompt_len=5, max_tokens=3))
+    while core.has_work():
+        core.step()
+    assert [p.draft for p in eng.prefills] == [k > 0]

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from exspec.scheduler.policy import Candidate, SpeculationPolicy, age_threshold_for, choose_batch
+from exspec.scheduler.policy import Candidate, GoodputPolicy, SpeculationPolicy, age_threshold_for, choose_batch
 
 
 def cands(*specs):
@@ -225,3 +225,50 @@ def test_auto_is_the_default_speculation_mode():
     from exspec.scheduler.types import SchedulerConfig
 
     assert SchedulerConfig().speculation == "auto"
+
+
+def test_plan_prefill_bounds_padding_and_cuts_prompts_only_where_it_pays():
+    from exspec.scheduler.policy import plan_prefill
+
+    assert plan_prefill([], 512) == (0, 0)
+    assert plan_prefill([964], 512) == (1, 512)  # chunked, alone
+    assert plan_prefill([10] * 100, 512) == (51, 10)  # 51 whole prompts, no padding, none cut
+    assert plan_prefill([964, 20, 20], 512) == (1, 512)  # the long one first, nothing padded beside it
+    assert plan_prefill([20, 964, 20], 512) == (2, 256)  # cut: 276 real tokens against 20 whole
+    assert plan_prefill([100] * 5 + [600], 512) == (5, 100)  # 500 whole against 510 cut: nothing cut
+    for remaining in ([3, 1, 4, 1, 5, 9, 2, 6], [700, 600, 15, 15], [1] * 600, [513], [15, 964, 17, 611, 20]):
+        for budget in (1, 7, 64, 512):
+            n, w = plan_prefill(remaining, budget)
+            assert 1 <= n <= len(remaining) and 1 <= w
+            assert n * min(w, max(remaining[:n])) <= budget  # padded cost within the budget
+            real = sum(min(x, w) for x in remaining[:n])
+            best = max(sum(min(x, budget // m) for x in remaining[:m]) for m in range(1, min(len(remaining), budget) + 1))
+            assert 2 * real >= best  # at least half of what the best FIFO prefix could prefill
+
+
+def test_drafting_says_whether_prompts_need_the_draft():
+    assert SpeculationPolicy("fixed", 4).drafting() and not SpeculationPolicy("fixed", 0).drafting()
+    assert SpeculationPolicy("adaptive", 4).drafting()
+    loses = SpeculationPolicy("auto", 4)
+    assert loses.drafting()  # nothing measured yet: prefill the draft
+    _run_auto(loses, _cost_model(**LOSES)[1], 8, 300)
+    assert not loses.drafting()  # k = 0 measured best: prompts may skip the draft
+    _run_auto(loses, _cost_model(**PAYS)[1], 1, 20)
+    assert loses.drafting()  # a new batch size, still warming up
+    pays = SpeculationPolicy("auto", 4)
+    _run_auto(pays, _cost_model(**PAYS)[1], 8, 300)
+    assert pays.drafting()
+
+
+def test_auto_weighs_k_without_the_one_off_catch_up():
+    """A step that catches the draft up reports that time apart; k's goodput leaves it out (it is paid once
+    per token whatever k follows), so a large catch-up does not make a paying k look like a loss."""
+    expected, sample = _cost_model(**PAYS)
+    policy = GoodputPolicy(4)
+    for step in range(200):
+        k = policy.choose(1)
+        n, s = sample(1, k)
+        catchup = 20 * s if k > 0 and step % 5 == 0 else 0.0  # a big one-off catch-up every fifth step
+        policy.observe(1, k, n, s + catchup, catchup)
+    best, _ = _best_rate(expected, 1, 4)
+    assert policy.best(1) == best > 0

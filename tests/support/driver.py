@@ -66,9 +66,10 @@ def admit(engine: SpecEngine, prompt: Seq_[int], params: SamplingParams) -> Seq:
     return Seq(engine, seq_id, list(prompt), len(prompt), params, rule)
 
 
-def prefill(engine: SpecEngine, chunks: Seq_[tuple[Seq, int, int]]) -> StepOutput:
-    """Prefill (seq, start, end) chunks in one call; record the first token of completed prompts."""
-    out = engine.prefill(PrefillBatch(tuple(PrefillChunk(s.seq_id, a, b) for s, a, b in chunks)))
+def prefill(engine: SpecEngine, chunks: Seq_[tuple[Seq, int, int]], draft: bool = True) -> StepOutput:
+    """Prefill (seq, start, end) chunks in one call (`draft`: feed the draft too); record the first token of
+    completed prompts."""
+    out = engine.prefill(PrefillBatch(tuple(PrefillChunk(s.seq_id, a, b) for s, a, b in chunks), draft=draft))
     for (s, _, _), o in zip(chunks, out.outputs):
         if o.token_ids:
             s.take(o.token_ids)
@@ -107,13 +108,15 @@ def run_to_end(
     *,
     before_step: Callable[[SpecEngine, list[Seq]], None] | None = None,
     free: bool = True,
+    prefill_draft: bool = True,
 ) -> tuple[list[Seq], list[StepOutput]]:
-    """Admit every prompt, prefill them in one batch, step until all finish. k may be a function of the
-    step index. Returns the sequences (in prompt order) and every step's output (prefill first)."""
+    """Admit every prompt, prefill them in one batch (the draft too unless prefill_draft is False), step
+    until all finish. k may be a function of the step index. Returns the sequences (in prompt order) and
+    every step's output (prefill first)."""
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     seqs = [admit(engine, p, prm) for p, prm in zip(prompts, params)]
-    first = prefill(engine, [(s, 0, s.prompt_len) for s in seqs])
+    first = prefill(engine, [(s, 0, s.prompt_len) for s in seqs], draft=prefill_draft)
     assert first.kind == "prefill"
     assert all(len(o.token_ids) == 1 for o in first.outputs)
     outs = [first]
