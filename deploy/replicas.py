@@ -122,11 +122,10 @@ class Topology:
 
     def start_replica(self, r: Replica) -> None:
         cmd = [sys.executable, "-m", "exspec", "serve", *self.serve_args, "--host", "127.0.0.1", "--port", str(r.port)]
-        log = r.log.open("ab")
         # Own session: a Ctrl+C in the terminal reaches this script only, which then drains the replicas once.
-        r.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  start_new_session=True)
-        log.close()
+        with r.log.open("ab") as log:
+            r.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      start_new_session=True)
         r.down_since = None
         self.write_state()
 
@@ -155,9 +154,9 @@ class Topology:
             if self.signals:
                 raise SystemExit(130)
             time.sleep(0.2)
-        self.haproxy = subprocess.Popen([haproxy, "-db", "-f", str(cfg)], stdin=subprocess.DEVNULL,
-                                        stdout=(self.run_dir / "haproxy.log").open("ab"), stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+        with (self.run_dir / "haproxy.log").open("ab") as log:
+            self.haproxy = subprocess.Popen([haproxy, "-db", "-f", str(cfg)], stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 30
         while True:
             if self.haproxy.poll() is not None:

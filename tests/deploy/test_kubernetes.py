@@ -103,6 +103,20 @@ def test_the_service_selects_the_pods_on_a_named_port(rendered):
     assert objs["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
 
 
+def test_every_exspec_variable_is_a_server_setting(rendered):
+    """A misspelt EXSPEC_* variable would be ignored by the server without a word: each one must name a
+    Settings field, once."""
+    from exspec.config import Settings
+
+    _, objs = rendered
+    names = [e["name"] for e in container(objs)["env"]]
+    assert len(names) == len(set(names)), names
+    exspec_vars = [n for n in names if n.startswith("EXSPEC_")]
+    assert len(exspec_vars) >= 5
+    for name in exspec_vars:
+        assert name.removeprefix("EXSPEC_").lower() in Settings.model_fields, name
+
+
 def test_probes_and_the_drain_fit_the_grace_period(rendered):
     """Readiness, liveness and startup on /health; terminationGracePeriodSeconds covers preStop + the server's
     drain + uvicorn's close; liveness cannot kill a draining pod (it fails longer than the grace period)."""
