@@ -74,6 +74,7 @@ async def send_request(client: httpx.AsyncClient, path: str, body: dict, req: Re
     ids: list[int] = []
     texts: list[str] = []
     chunks = 0
+    done = False  # saw `data: [DONE]`: a stream cut short (a proxy or a replica dying) never does
     res.start = time.perf_counter()
     last = res.start
     try:
@@ -87,6 +88,7 @@ async def send_request(client: httpx.AsyncClient, path: str, body: dict, req: Re
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    done = True
                     break
                 obj = json.loads(data)
                 if "error" in obj:
@@ -115,6 +117,9 @@ async def send_request(client: httpx.AsyncClient, path: str, body: dict, req: Re
         res.latency = time.perf_counter() - res.start
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
         res.error = f"{type(e).__name__}: {e}"
+        return res
+    if not done:
+        res.error = "the stream ended without data: [DONE] (cut short)"
         return res
     res.text = "".join(texts)
     res.token_ids = ids if body.get("return_token_ids") else None

