@@ -69,8 +69,8 @@ def main() -> None:
         if prof:
             prof.disable()
         wall = time.perf_counter() - t0
-        if stats is not None:
-            part = prefill if stats.kind == "prefill" else decode
+        if stats:  # one StepStats per engine call (several only while a failing row is isolated)
+            part = prefill if stats[0].kind == "prefill" else decode
             part["steps"] += 1
             part["wall"] += wall
             part["target"] += forward_s["target"] - before["target"]
@@ -87,6 +87,7 @@ def main() -> None:
           f"draft's prefill forwards {100 * prefill['draft'] / total:.1f}%, the target's {100 * prefill['target'] / total:.1f}%")
     if prof:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof).sort_stats("cumtime").print_stats("scheduler|engine/engine|engine/sampling|tokenizers|stopping|request", 30)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import pytest
 
 from tests.support.models import random_prompts
 from exspec.engine.params import SamplingParams
-from exspec.scheduler import AsyncScheduler, SchedulerConfig, generate_offline
+from exspec.scheduler import AsyncScheduler, SchedulerConfig, SpeculationPolicy, generate_offline
 from exspec.cli.main import main as cli_main
 
 
@@ -74,6 +74,37 @@ def test_offline_grouped_and_mixed_are_identical(models, force_mixed):
     else:
         assert summary.grouped_fraction > 0.0
     assert summary.mean_acceptance_length > 1.0
+
+
+class _FlippingPolicy(SpeculationPolicy):
+    """A policy whose answers flip on a fixed schedule: prompts prefilled with and without the draft, steps
+    with k = 0 and k > 0 in between, so every catch-up path of the engine runs under the scheduler."""
+
+    def __init__(self) -> None:
+        super().__init__("fixed", 4)
+        self.calls = 0
+
+    def drafting(self) -> bool:
+        self.calls += 1
+        return self.calls % 3 == 0
+
+    def choose(self, batch_size: int) -> int:
+        self.calls += 1
+        return (0, 0, 3, 0, 4, 1)[self.calls % 6]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_prompts_prefilled_without_the_draft_stay_token_identical_under_the_scheduler(models, arch):
+    engine = models.engine(arch, "noisy", max_num_seqs=8)
+    prompts = random_prompts([1 + (i * 37) % 90 for i in range(20)], seed=11)
+    max_tokens = [1 + (i * 7) % 30 for i in range(20)]
+    policy = _FlippingPolicy()
+    cfg = SchedulerConfig(max_batch_size=4, pool_size=8, num_speculative_tokens=4, max_prefill_tokens=64)
+    results, summary = generate_offline(engine, prompts, [SamplingParams(max_tokens=m) for m in max_tokens], cfg,
+                                        speculation=policy)
+    for prompt, m, r in zip(prompts, max_tokens, results):
+        assert r.token_ids == models.reference(arch, prompt, m)
+    assert summary.num_accepted_tokens > 0  # drafts ran, caught up after prefills without the draft
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gpt2"])
