@@ -72,6 +72,9 @@ def _same_length(cands: list[Candidate]) -> bool:
     return all(c.length == cands[0].length for c in cands)
 
 
+MAX_PREFILL_ROWS = 128  # rows one prefill step considers (bounds plan_prefill's work: O(rows^2))
+
+
 def plan_prefill(remaining: list[int], budget: int) -> tuple[int, int]:
     """The next prefill step over sequences waiting to prefill (FIFO order, `remaining` prompt tokens each):
     returns (n, width): the first n of them each get a chunk of min(remaining, width) tokens.
@@ -87,13 +90,11 @@ def plan_prefill(remaining: list[int], budget: int) -> tuple[int, int]:
         return 0, 0
     whole = (0, 0, 0)  # (real tokens, n, width): the best prefix prefilled to the end of every prompt
     cut = (0, 0, 0)  # the best prefix with chunks of at most budget // n
-    longest = 0
-    for n, r in enumerate(remaining[:budget], start=1):
-        longest = max(longest, r)
-        if n * longest <= budget:
-            real = sum(remaining[:n])
-            if real > whole[0]:
-                whole = (real, n, longest)
+    longest = total = 0
+    for n, r in enumerate(remaining[: min(budget, MAX_PREFILL_ROWS)], start=1):
+        longest, total = max(longest, r), total + r
+        if n * longest <= budget and total > whole[0]:
+            whole = (total, n, longest)
         width = min(longest, budget // n)
         real = sum(min(x, width) for x in remaining[:n])
         if real > cut[0]:
@@ -160,7 +161,7 @@ class SpeculationPolicy:
         if self._auto is not None:
             self._auto.observe(batch_size, k, num_tokens, seconds, catchup_s)
             return
-        seconds -= catchup_s
+        seconds -= min(catchup_s, 0.9 * seconds)
         key = (self.bucket(batch_size), k)
         rate = num_tokens / seconds
         self._count[key] += 1

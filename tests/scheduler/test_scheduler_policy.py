@@ -236,13 +236,15 @@ def test_plan_prefill_bounds_padding_and_cuts_prompts_only_where_it_pays():
     assert plan_prefill([964, 20, 20], 512) == (1, 512)  # the long one first, nothing padded beside it
     assert plan_prefill([20, 964, 20], 512) == (2, 256)  # cut: 276 real tokens against 20 whole
     assert plan_prefill([100] * 5 + [600], 512) == (5, 100)  # 500 whole against 510 cut: nothing cut
+    assert plan_prefill([1] * 600, 512) == (128, 1)  # at most MAX_PREFILL_ROWS rows per step
     for remaining in ([3, 1, 4, 1, 5, 9, 2, 6], [700, 600, 15, 15], [1] * 600, [513], [15, 964, 17, 611, 20]):
         for budget in (1, 7, 64, 512):
             n, w = plan_prefill(remaining, budget)
             assert 1 <= n <= len(remaining) and 1 <= w
             assert n * min(w, max(remaining[:n])) <= budget  # padded cost within the budget
             real = sum(min(x, w) for x in remaining[:n])
-            best = max(sum(min(x, budget // m) for x in remaining[:m]) for m in range(1, min(len(remaining), budget) + 1))
+            rows = min(len(remaining), budget, 128)
+            best = max(sum(min(x, budget // m) for x in remaining[:m]) for m in range(1, rows + 1))
             assert 2 * real >= best  # at least half of what the best FIFO prefix could prefill
 
 
