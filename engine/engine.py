@@ -104,6 +104,9 @@ class SpecEngine:
         self.top_p = torch.ones(slots, device=dev)  # [slots]
         self.top_k = torch.zeros(slots, dtype=torch.long, device=dev)  # [slots]
         self.seeds = torch.zeros(slots, dtype=torch.long, device=dev)  # [slots]
+        empty = torch.empty(0, device=dev)
+        # All rows greedy: nothing reads the per-row tensors (every use is behind `any_sampling`), so they stay empty.
+        self._greedy_rows = RowParams(empty, empty, empty.long(), empty.long(), any_sampling=False, any_filter=False)
         self._seqs: dict[int, SeqState] = {}
         self._seed_rng = random.Random(seed)
         self._clock = _Clock(dev)
@@ -409,6 +412,8 @@ class SpecEngine:
 
     def _row_params(self, states, slot_t: torch.Tensor) -> RowParams:
         any_sampling = any(not st.params.greedy for st in states)
+        if not any_sampling:  # an all-greedy batch reads none of the per-row tensors: skip the four gathers
+            return self._greedy_rows
         any_filter = any((not st.params.greedy) and (st.params.top_k > 0 or st.params.top_p < 1.0) for st in states)
         return RowParams(
             temperature=self.temperature[slot_t],

@@ -53,7 +53,8 @@ def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch
 
 @dataclass(frozen=True)
 class RowParams:
-    """Per-row sampling parameters of one batch, on device."""
+    """Per-row sampling parameters of one batch, on device. When any_sampling is False (every row greedy) the
+    tensors may be empty: read them only behind any_sampling."""
 
     temperature: torch.Tensor  # [B] float; 0 marks a greedy row
     top_p: torch.Tensor  # [B] float
