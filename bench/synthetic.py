@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 from exspec.data import encode_prompts, load_questions, read_rows
+from exspec.demo.tokenizer import train_bpe
 
 from exspec.errors import SyntheticError
 
@@ -66,19 +67,9 @@ def _dirname(name: str, shape: SyntheticShape, seed: int) -> str:
 
 def build_tokenizer(out_dir: Path, vocab_size: int):
     """A byte-level BPE trained on the bundled questions (about a second), saved to out_dir."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     texts = [t for name in ("specbench", "mtbench") for row in read_rows(name) for t in row.get("turns", [])]
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS + ["<|user|>", "<|assistant|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<pad>")
-    fast.chat_template = CHAT_TEMPLATE
+    fast = train_bpe(texts, vocab_size, SPECIALS + ["<|user|>", "<|assistant|>"], eos_token="</s>",
+                     chat_template=CHAT_TEMPLATE)
     fast.save_pretrained(out_dir)
     return fast
 

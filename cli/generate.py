@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 from exspec.cli.flags import (
@@ -17,6 +15,7 @@ from exspec.cli.flags import (
 )
 
 from exspec.config import resolve
+from exspec.data.atomic import write_lines_atomic
 from exspec.errors import ExspecError, InputError
 
 
@@ -65,18 +64,9 @@ def read_prompts(path: Path) -> list[str | list[int]]:
 
 def write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
     """Write all rows or nothing: a temp file in the same directory, renamed over the target."""
-    path = path.resolve()
-    if not path.parent.is_dir():
-        raise InputError(f"output directory {str(path.parent)!r} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    if not path.resolve().parent.is_dir():
+        raise InputError(f"output directory {str(path.resolve().parent)!r} does not exist")
+    write_lines_atomic(path, (json.dumps(row, ensure_ascii=False) for row in rows))
 
 
 def encode(tokenizer, prompt: str | list[int], chat_template: bool) -> list[int]:

@@ -23,10 +23,10 @@ offline benchmark writes it (both import it from here: neither may import the ot
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from exspec.data.atomic import write_lines_atomic
 
 from exspec.errors import ReferenceError
 
@@ -54,15 +54,7 @@ def write_reference(path: Path, rows: list[ReferenceRow]) -> None:
     path = Path(path).resolve()
     if not path.parent.is_dir():
         raise ReferenceError(f"reference directory {str(path.parent)!r} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(asdict(row)) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_lines_atomic(path, (json.dumps(asdict(row)) for row in rows))
 
 
 def _int_list(value, where: str, name: str) -> list[int]:

@@ -12,8 +12,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_tokenizer(texts: list[str], vocab_size: int):
-    """Byte-level BPE with the chat specials, wrapped as a transformers fast tokenizer."""
+def train_bpe(texts, vocab_size: int, specials: list[str], *, eos_token: str, chat_template: str,
+              model_max_length: int | None = None):
+    """A byte-level BPE trained on `texts` with `specials` first (ids 0, 1, ...), wrapped as a transformers fast
+    tokenizer with <s> / eos_token / <unk> / <pad> and a chat template. The one trainer behind the demo pair, the
+    synthetic benchmark pairs and the tests' tiny models."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -22,20 +25,22 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIALS,
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
+    extra = {} if model_max_length is None else {"model_max_length": model_max_length}
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="<|end|>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-        model_max_length=4096,
+        tokenizer_object=tok, bos_token="<s>", eos_token=eos_token, unk_token="<unk>", pad_token="<pad>", **extra
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
+    return fast
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """The demo pair's tokenizer: byte-level BPE with the chat specials."""
+    fast = train_bpe(texts, vocab_size, SPECIALS, eos_token="<|end|>", chat_template=CHAT_TEMPLATE, model_max_length=4096)
     ids = fast.convert_tokens_to_ids(SPECIALS[:4])
     if ids != [UNK_ID, BOS_ID, PAD_ID, EOS_ID]:
         raise DemoBuildError(f"unexpected special token ids {ids}")

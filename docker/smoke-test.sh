@@ -121,8 +121,8 @@ if [ "$MODELS" = tiny ]; then
 import sys
 from pathlib import Path
 
-sys.path.insert(0, "tests")
-from tiny_models import build_pair
+sys.path.insert(0, ".")
+from tests.support.tiny_models import build_pair
 
 target, draft = build_pair(Path(sys.argv[1]), "llama")
 (Path(sys.argv[1]) / "target").symlink_to(target.name)

@@ -202,8 +202,7 @@ class SpecEngine:
         q_len = max(widths)
         dev = self.device
         slot_t = to_device(slots, dev)
-        cols = to_device(starts, dev)[:, None] + torch.arange(q_len, device=dev)  # [B, Q]
-        tokens = self.token_buf[slot_t[:, None], cols.clamp(max=self.token_buf.shape[1] - 1)]  # [B, Q]
+        tokens = self._tokens(slot_t, starts, q_len)  # [B, Q]
         last = to_device(widths, dev)[:, None] - 1  # [B, 1]
         # The draft takes the chunk only where its cache reaches the chunk's start (a prompt begun without
         # the draft is caught up by its first drafting step instead).
@@ -318,9 +317,7 @@ class SpecEngine:
         # width starts at 0, and its right padding lands at or past its pending position, rewritten below.
         starts = [max(plan.lengths[i] - 1 - width, 0) for i in behind]
         slots = [plan.slots[i] for i in behind]
-        cols = to_device(starts, dev)[:, None] + torch.arange(width, device=dev)  # [b, W]
-        rows = to_device(behind, dev)  # [b]
-        tokens = self.token_buf[plan.slot_t[rows][:, None], cols.clamp(max=self.token_buf.shape[1] - 1)]  # [b, W]
+        tokens = self._tokens(plan.slot_t[to_device(behind, dev)], starts, width)  # [b, W]
         last = torch.zeros(len(behind), 1, dtype=torch.long, device=dev)  # [b, 1]: logits are not used
         self.draft.extend(tokens, starts, slots, select=last, force_per_row=True)
         for i in behind:
@@ -335,8 +332,7 @@ class SpecEngine:
         # Re-feeding an already cached position rewrites the same K/V, so every row can start `width`
         # back from its pending token; only rows shorter than `width` start at 0.
         starts = [max(n - width, 0) for n in plan.lengths]
-        cols = to_device(starts, dev)[:, None] + torch.arange(width, device=dev)  # [B, W]
-        tokens = self.token_buf[plan.slot_t[:, None], cols]  # [B, W]
+        tokens = self._tokens(plan.slot_t, starts, width)  # [B, W]
         last = to_device([n - 1 - s for n, s in zip(plan.lengths, starts)], dev)[:, None]  # [B, 1]
         logits = self.draft.extend(tokens, starts, list(plan.slots), select=last, force_per_row=mixed)  # [B, 1, V]
         proposed, probs = [], []
@@ -409,6 +405,12 @@ class SpecEngine:
         )
 
     # ------------------------------------------------------------------ helpers
+
+    def _tokens(self, slot_t: torch.Tensor, starts: list[int], width: int) -> torch.Tensor:
+        """token_buf[slot, start : start + width] per row ([B] slots, [B] host starts) -> [B, width]. Columns past
+        the buffer (right padding only) read its last column."""
+        cols = to_device(starts, self.device)[:, None] + torch.arange(width, device=self.device)  # [B, W]
+        return self.token_buf[slot_t[:, None], cols.clamp(max=self.token_buf.shape[1] - 1)]
 
     def _row_params(self, states, slot_t: torch.Tensor) -> RowParams:
         any_sampling = any(not st.params.greedy for st in states)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from exspec.demo.tokenizer import train_bpe
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -22,27 +24,7 @@ _CORPUS = (
 
 
 def build_tokenizer(out_dir: Path, vocab_size: int = 320):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([_CORPUS] * 20, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-    )
-    fast.chat_template = CHAT_TEMPLATE
+    fast = train_bpe([_CORPUS] * 20, vocab_size, SPECIALS, eos_token="</s>", chat_template=CHAT_TEMPLATE)
     fast.save_pretrained(out_dir)
     return fast
 
