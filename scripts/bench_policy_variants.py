@@ -9,6 +9,8 @@ per repeat, every output checked identical (docs/BENCHMARKS.md, "Issue 13, sessi
   auto-pool1x      the default policy, pool B
   fixed4-pool4x    k = 4 fixed
 
+Then it counts the prefill tokens computed (padding included) against the real ones for the two target-alone pools.
+
 Run: .venv/bin/python scripts/bench_policy_variants.py B REPEATS THREADS"""
 import sys, statistics, time, torch
 from dataclasses import replace
