@@ -1,5 +1,6 @@
-"""The KV slot pools: slot bookkeeping, admission limits, and the guarantee that K/V (and tokens) past a
-sequence's valid length are never read, so rollback and slot reuse need no copying or clearing."""
+"""The paged KV: slot and block bookkeeping, admission limits, memory that follows the tokens held, the block
+table and its null block, and the guarantee that K/V (and tokens) past a sequence's valid length are never
+read, so rollback and block reuse need no copying or clearing."""
 
 from __future__ import annotations
 
@@ -59,16 +60,20 @@ def test_prompts_that_can_never_run_are_rejected(models, prompt, message):
 
 @torch.inference_mode()  # the pools are inference tensors
 def _poison(engine, live, gen: torch.Generator) -> None:
-    """Overwrite everything no sequence may read: each live row's target K/V from its pending token on,
-    its draft K/V from draft_len on, its token buffer past its length; every free slot entirely. Values
-    are huge (but finite, so a masked-out key multiplied by a zero weight stays zero)."""
+    """Overwrite everything no sequence may read: in each model's pools every row but each live sequence's
+    valid positions (target: up to its pending token; draft: up to draft_len) — the null block, free blocks,
+    and the tails of owned blocks included; each token buffer past its length; every free slot entirely.
+    Values are huge (but finite, so a masked-out key multiplied by a zero weight stays zero)."""
     owned = {s.slot: s for s in live}
+    bs = engine.block_size
     for runner, bound in ((engine.target, lambda s: s.length - 1), (engine.draft, lambda s: s.draft_len)):
+        keep = torch.zeros((engine.num_blocks + 1) * bs, dtype=torch.bool)  # pool rows a live sequence reads
+        for slot, s in owned.items():
+            pos = torch.arange(bound(s))
+            keep[torch.tensor(engine.blocks.blocks(slot), dtype=torch.long)[pos // bs] * bs + pos % bs] = True
         for pool in runner.cache.keys + runner.cache.values:
-            for slot in range(pool.shape[0]):
-                start = bound(owned[slot]) if slot in owned else 0
-                junk = torch.randn(pool[slot, :, start:].shape, generator=gen) * 1e4
-                pool[slot, :, start:] = junk
+            flat = pool.view(-1, *pool.shape[2:])  # [(num_blocks + 1) * block_size, kv_heads, head_dim]
+            flat[~keep] = torch.randn(flat[~keep].shape, generator=gen) * 1e4
     for slot in range(engine.token_buf.shape[0]):
         start = owned[slot].length if slot in owned else 0
         n = engine.token_buf.shape[1] - start
@@ -105,9 +110,11 @@ def test_poisoning_valid_kv_does_change_outputs(models):
 
     @torch.inference_mode()
     def poison_valid(engine, live):
+        bs = engine.block_size
         for pool in engine.target.cache.keys + engine.target.cache.values:
             for s in live:
-                pool[s.slot, :, s.length - 2] = 1e4
+                p = s.length - 2
+                pool[engine.blocks.blocks(s.slot)[p // bs], p % bs] = 1e4
 
     bad, _ = run_to_end(models.engine("llama", "noisy"), prompts, params, 3, before_step=poison_valid)
     assert [s.output_token_ids for s in bad] != [s.output_token_ids for s in clean]
