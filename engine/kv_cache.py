@@ -94,14 +94,15 @@ class BlockManager:
     def grow(self, wants: list[tuple[int, int]]) -> None:
         """Give each (slot, blocks it must hold) its missing blocks, all or nothing: CapacityError before any
         change when the free blocks do not cover them all. One device write for the new table entries."""
+        too_many = [n for _, n in wants if n > self.max_blocks_per_seq]
+        if too_many:
+            raise CapacityError(f"{too_many[0]} blocks asked for one sequence, at most {self.max_blocks_per_seq}")
         need = sum(max(0, n - len(self._blocks[s])) for s, n in wants)
         if need > self._num_free:
             raise CapacityError(f"{need} KV blocks needed, {self._num_free} of {self.num_blocks} free")
         rows, cols, ids = [], [], []
         for slot, n in wants:
             have = self._blocks[slot]
-            if n > self.max_blocks_per_seq:
-                raise CapacityError(f"{n} blocks asked for one sequence, at most {self.max_blocks_per_seq}")
             while len(have) < n:
                 block = self._take(have[-1] + 1 if have else 0)
                 if have and block != have[-1] + 1:
