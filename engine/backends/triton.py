@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import replace
 
 import torch
 
@@ -30,6 +31,9 @@ class TritonBackend(AttentionBackend):
         from exspec.engine.kernels.paged_attention import paged_attention
 
         self._kernel = paged_attention
+
+    def plan(self, meta: ForwardMeta) -> ForwardMeta:
+        return replace(meta, block_tables=meta.block_tables.contiguous())  # [B, n_blocks]: rows at a plain stride
 
     def forward(self, query, k_cache, v_cache, plan: ForwardMeta, scale):
         scale = scale if scale is not None else query.shape[-1] ** -0.5
