@@ -98,6 +98,7 @@ def _throughput(args, device: str, dtype: str, repeats: int, resolve_models) -> 
         chat_template=args.chat_template,
         max_model_len=args.max_model_len,
         warmup=not args.no_warmup,
+        attention=getattr(args, "attention_backend", None) or "auto",
     )
     if args.write_reference is not None and not args.write_reference.resolve().parent.is_dir():
         raise BenchError(f"--write-reference: directory {str(args.write_reference.resolve().parent)!r} does not exist")
@@ -149,15 +150,18 @@ def _forward(args, device: str, dtype: str, repeats: int, resolve_models) -> int
     pair = load_model_pair(EngineConfig(model=target, device=device, dtype=dtype))
     points = forward_points(tuple(sorted(set(args.batch_sizes))), tuple(args.kv_lens), args.num_speculative_tokens)
     meta = _meta(args, "exspec bench --mode forward", device, dtype)  # load average as the forwards start
+    attention = getattr(args, "attention_backend", None) or "auto"
     rows = time_forwards(pair.target, pair.vocab_size, points, repeats=repeats, warmup=0 if args.no_warmup else 1,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, attention=attention)
     meta["load average at end"] = _loadavg()
     meta.update({
         "target": str(target),
         **extra,
         "forward": "ModelRunner.extend(tokens [B, q_len], starts=[kv_len] * B, slots) of the target, logits for "
-                   "every query; q_len 1 and k + 1; slots consecutive (0..B-1) or scattered (every other slot of "
-                   f"2B); layouts interleaved, median of {repeats} after {0 if args.no_warmup else 1} warm-up",
+                   "every query; q_len 1 and k + 1; KV blocks consecutive (each row's block ids in a run) or "
+                   "scattered (the rows' blocks interleaved); layouts interleaved, median of "
+                   f"{repeats} after {0 if args.no_warmup else 1} warm-up",
+        "attention backend": attention,
         "k": args.num_speculative_tokens,
     })
     args.output.mkdir(parents=True, exist_ok=True)

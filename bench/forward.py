@@ -1,10 +1,12 @@
 """`exspec bench --mode forward`: the time of one target forward through the engine's forward primitive.
 
 For every (batch size B, kv_len, q_len in {1, k + 1}) it times `ModelRunner.extend(tokens [B, q_len],
-starts=[kv_len] * B, slots)` with two slot layouts of one pool of 2B slots:
-- consecutive: slots 0..B-1 (the cache can be read as a view of the pool),
-- scattered: slots 1, 3, 5, ..., 2B-1 (every other slot: the cache must be gathered, as after admissions
-  and departures). At B = 1 both are a single slot, so the two should match.
+starts=[kv_len] * B, slots)` with two KV block layouts of one paged pool:
+- consecutive: each row's blocks are consecutive block ids, rows one after another (as for prompts admitted
+  into a fresh pool: a strided view reads a row),
+- scattered: the rows' blocks interleaved, block i of row b at id i * B + b + 1 (as after rows grew a block at
+  a time side by side, or after admissions and departures: a row must be gathered). At B = 1 both are
+  consecutive, so the two should match.
 
 The keys at positions 0..kv_len-1 are whatever the pool holds (zeros): attention reads kv_len keys either
 way, and the values do not change the time. Timing: layouts interleaved within each repeat (A B A B), the
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from exspec.engine.kv_cache import BlockManager
 from exspec.engine.runner import ModelRunner
 
 LAYOUTS = ("consecutive", "scattered")
@@ -32,10 +35,21 @@ class ForwardPoint:
 
 
 def slot_layout(layout: str, batch_size: int) -> list[int]:
-    """Slots of one batch in a pool of 2 * batch_size slots."""
-    if layout == "consecutive":
-        return list(range(batch_size))
-    return [2 * i + 1 for i in range(batch_size)]
+    """Slots (block table rows) of one batch among 2 * batch_size: "consecutive" rows 0..B-1, "scattered" B..2B-1."""
+    first = 0 if layout == "consecutive" else batch_size
+    return list(range(first, first + batch_size))
+
+
+def block_layouts(batch_size: int, positions: int, block_size: int, device: torch.device) -> BlockManager:
+    """A pool holding both layouts' rows, each row's blocks for `positions`: consecutive ids per row for the
+    "consecutive" slots, ids interleaved across rows (one block per row in turn) for the "scattered" slots."""
+    per_row = -(-positions // block_size)
+    blocks = BlockManager(2 * batch_size * per_row, block_size, 2 * batch_size, per_row, device)
+    for slot in slot_layout("consecutive", batch_size):
+        blocks.grow([(slot, per_row)])
+    for i in range(per_row):
+        blocks.grow([(slot, i + 1) for slot in slot_layout("scattered", batch_size)])
+    return blocks
 
 
 def forward_points(batch_sizes: tuple[int, ...], kv_lens: tuple[int, ...], k: int) -> list[ForwardPoint]:
@@ -48,7 +62,8 @@ def _sync(device: torch.device) -> None:
 
 
 def time_forwards(model: torch.nn.Module, vocab_size: int, points: list[ForwardPoint], repeats: int = 5,
-                  warmup: int = 1, seed: int = 0, progress: bool = False) -> list[dict]:
+                  warmup: int = 1, seed: int = 0, progress: bool = False, attention: str = "auto",
+                  block_size: int = 16) -> list[dict]:
     """One row per (point, layout): {batch_size, kv_len, q_len, slots, forward_ms (the median),
     forward_ms_min, forward_ms_repeats}.
     One pool per batch size, sized for the longest kv_len + q_len, reused across that batch size's points."""
@@ -63,7 +78,8 @@ def time_forwards(model: torch.nn.Module, vocab_size: int, points: list[ForwardP
     for b in sorted({p.batch_size for p in points}):
         at_b = [p for p in points if p.batch_size == b]
         max_len = max(p.kv_len + p.q_len for p in at_b)
-        runner = ModelRunner(model, num_slots=2 * b, max_len=max_len, vocab_size=vocab_size)
+        blocks = block_layouts(b, max_len, block_size, device)
+        runner = ModelRunner(model, blocks, vocab_size=vocab_size, attention=attention)
         for p in at_b:
             tokens = torch.randint(0, vocab_size, (b, p.q_len), generator=gen).to(device)  # [B, Q] long
             starts = [p.kv_len] * b
@@ -83,7 +99,7 @@ def time_forwards(model: torch.nn.Module, vocab_size: int, points: list[ForwardP
                 ms = [s * 1000.0 for s in seconds[layout]]
                 rows.append({"batch_size": b, "kv_len": p.kv_len, "q_len": p.q_len, "slots": layout,
                              "forward_ms": statistics.median(ms), "forward_ms_min": min(ms), "forward_ms_repeats": ms})
-        del runner  # free this batch size's pool before the next one's
+        del runner, blocks  # free this batch size's pool before the next one's
     if bar is not None:
         bar.close()
     return rows

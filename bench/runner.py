@@ -88,6 +88,7 @@ class BenchConfig:
     chat_template: bool = False  # prompts through the tokenizer's chat template
     max_model_len: int = 2048  # cap on prompt + max_tokens
     warmup: bool = True  # one untimed short run per (method, B) before the timed ones
+    attention: str = "auto"  # the engine's attention backend (engine/backends/)
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str, value: object) -> None:
@@ -321,6 +322,7 @@ class Bench:
                 max_model_len=self.max_model_len,
                 max_num_speculative_tokens=k,
                 force_mixed=method == "exspec-mixed",
+                attention=cfg.attention,
             ),
             pair=pair,
         )

@@ -16,7 +16,7 @@ from exspec.cli.flags import add_settings_arguments, resolve_models, settings_fr
 
 # The shared settings bench takes (the same flags, variables and defaults as serve and generate:
 # exspec.config.Settings; device and dtype default to auto there).
-BENCH_FIELDS = ("model", "draft_model", "device", "dtype", "max_model_len")
+BENCH_FIELDS = ("model", "draft_model", "device", "dtype", "max_model_len", "attention_backend")
 
 # == exspec.bench.runner.METHODS (not imported here: that module imports torch)
 METHODS = ("target-ar", "hf-generate", "hf-assisted", "exspec-mixed", "exspec-fixed", "exspec")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from exspec.config import DTYPES, SPECULATION_MODES, Settings, load_settings
+from exspec.config import ATTENTION_DEFAULT, DTYPES, KV_MEMORY_DEFAULT, SPECULATION_MODES, Settings, attention_backends, load_settings
 
 # settings field -> (metavar, help)
 FLAGS = {
@@ -19,14 +19,20 @@ FLAGS = {
                            "target and the draft, from their config.json)"),
     "num_speculative_tokens": ("K", "draft tokens per step (the largest k under an adaptive policy; default 4); "
                                     "0 decodes without speculation"),
-    "attention_backend": ("NAME", "auto | pool | gather | flash: how attention reads each row's K/V in the slot pool "
-                                  "(default auto: pool on CPU, gather on CUDA; flash needs flash_attn, untested here)"),
+    "attention_backend": ("NAME", f"auto | {' | '.join(attention_backends())}: how attention reads each row's KV "
+                                  f"blocks (default auto: {ATTENTION_DEFAULT['cuda']} on CUDA, {ATTENTION_DEFAULT['cpu']} "
+                                  "on CPU, reference where those cannot run; docs/ARCHITECTURE.md)"),
+    "kv_cache_memory": ("MEM", "memory for the paged KV cache: a fraction of what is free once the weights are "
+                               "loaded (e.g. 0.5) or a size (e.g. 4GiB); it sets how many tokens all live sequences "
+                               f"hold together (default {KV_MEMORY_DEFAULT['cuda']} on CUDA, "
+                               f"{KV_MEMORY_DEFAULT['cpu']} of available RAM on CPU)"),
     "gemm": ("MODE", "auto | packed | default: oneDNN-prepacked linears for multi-row CPU forwards (default auto: "
                      "packed for float32 on CPU)"),
     "speculation": ("MODE", f"{' | '.join(SPECULATION_MODES)}: how k is chosen per step "
                             f"(default {Settings.model_fields['speculation'].default})"),
     "max_batch_size": ("B", "sequences per speculative step (default 8)"),
-    "pool_size": ("W", "live sequences (KV slots) the pool holds, W >= B (default 4 x B)"),
+    "pool_size": ("W", "live sequences at most (sequence slots), W >= B (default 4 x B); the KV blocks free "
+                       "bound them too"),
     "max_waiting": ("N", "requests queued beyond the pool before the server answers 429 (default 256)"),
     "host": ("HOST", "address to listen on (default 127.0.0.1)"),
     "port": ("PORT", "port to listen on (default 8000)"),
@@ -48,7 +54,7 @@ FLAGS = {
 # The fields of the model pair, the engine and the scheduler: serve, generate and bench take these.
 ENGINE_FIELDS = (
     "model", "draft_model", "device", "dtype", "max_model_len", "num_speculative_tokens", "speculation",
-    "max_batch_size", "pool_size", "attention_backend", "gemm",
+    "max_batch_size", "pool_size", "attention_backend", "kv_cache_memory", "gemm",
 )
 
 

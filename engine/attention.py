@@ -1,8 +1,9 @@
 """`exspec_sdpa`: exspec's one attention entry point, registered as an `attn_implementation`.
 
-With a `PoolPlan` in the forward's kwargs (`exspec_pool=`, see engine/attention_pool.py) the key/value
-arguments are the layer's whole slot pools and attention reads each row where it lies. Without one (the
-"gather" reference backend) it is PyTorch SDPA with native grouped-query attention under an explicit mask:
+With an `AttentionCall` in the forward's kwargs (`exspec_attention=`, set by the runner) the key/value
+arguments are the layer's whole block pools and the call's backend (engine/backends/) reads each row where it
+lies. Without one (a forward over gathered K/V) it is PyTorch SDPA with native grouped-query attention under
+an explicit mask:
 
 transformers' own `sdpa` copies K/V once per layer and forward (`repeat_kv`) whenever a mask is passed
 to a grouped-query model, and exspec always passes one. On the CPU, `scaled_dot_product_attention(...,
@@ -13,14 +14,25 @@ math kernel.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from exspec.engine.attention_pool import PoolPlan, pool_attention
+from exspec.engine.backends import AttentionBackend
 
 NAME = "exspec_sdpa"
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One forward's attention: the backend and its plan (built once, shared by every layer)."""
+
+    backend: AttentionBackend
+    plan: Any
 
 
 def gqa_sdpa_forward(
@@ -32,11 +44,13 @@ def gqa_sdpa_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
-    exspec_pool: PoolPlan | None = None,  # set: key/value are the whole pools [slots, kv_heads, pool_len, head_dim]
+    exspec_attention: AttentionCall | None = None,  # set: key/value are the whole pools
+    # [num_blocks + 1, block_size, kv_heads, head_dim]
     **kwargs,
 ) -> tuple[torch.Tensor, None]:  # ([B, Q, heads, head_dim], None)
-    if exspec_pool is not None:
-        return pool_attention(module, query, key, value, exspec_pool, scaling), None
+    if exspec_attention is not None:
+        call = exspec_attention
+        return call.backend.forward(query, key, value, call.plan, scaling), None
     if query.device.type != "cpu":
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     if kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None or kwargs.get("softcap") is not None:

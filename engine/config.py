@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from exspec.config import KV_MEMORY_DEFAULT  # noqa: F401  (re-exported: the engine's default, written once there)
 from exspec.errors import ConfigError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -21,18 +22,22 @@ DTYPES: dict[str, torch.dtype] = {
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs to load a model pair and size its KV slot pools."""
+    """Everything the engine needs to load a model pair and size its paged KV pools."""
 
     model: Path  # target model directory (from_pretrained)
     draft_model: Path | None = None  # draft model directory; None: no speculation
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
     dtype: str = "float32"  # one of DTYPES
-    max_num_seqs: int = 64  # KV slots per model: the most live sequences at once
+    max_num_seqs: int = 64  # sequence slots (token buffer, sampling parameters, block table row): live sequences at most
     max_model_len: int = 2048  # prompt + generated tokens per sequence
-    max_num_speculative_tokens: int = 8  # largest k a step may use (sizes the pool's slack)
+    max_num_speculative_tokens: int = 8  # largest k a step may use
     attn_implementation: str = "sdpa"  # "sdpa" or "eager"
     force_mixed: bool = False  # benchmarks only: every step through the mixed-length path, even equal lengths
-    attention: str = "auto"  # "auto" | "pool" | "gather" | "flash": how attention reads the slot pools (runner.py)
+    attention: str = "auto"  # "auto" or a backend in engine/backends/ (backends.names()): how attention reads the pools
+    block_size: int = 16  # positions per KV block
+    # KV pool size: a fraction (0, 1] of the memory free after the weights, or a byte count (int); None: the
+    # device's default (KV_MEMORY_DEFAULT). Never more blocks than max_num_seqs sequences of max_model_len.
+    kv_cache_memory: float | int | None = None
     gemm: str = "auto"  # "auto" | "packed" | "default": oneDNN-prepacked linears for multi-row CPU forwards
 
     def __post_init__(self) -> None:
@@ -50,8 +55,15 @@ class EngineConfig:
             raise ConfigError(
                 f"max_num_speculative_tokens must be in [0, 32], got {self.max_num_speculative_tokens}"
             )
-        if self.attention not in ("auto", "pool", "gather", "flash"):
-            raise ConfigError(f"attention must be auto, pool, gather or flash, got {self.attention!r}")
+        from exspec.engine import backends
+
+        if self.attention != backends.AUTO and self.attention not in backends.names():
+            raise ConfigError(f"attention must be {backends.AUTO} or one of {list(backends.names())}, got {self.attention!r}")
+        if not 1 <= self.block_size <= 1024:
+            raise ConfigError(f"block_size must be in [1, 1024], got {self.block_size}")
+        mem = self.kv_cache_memory
+        if mem is not None and not ((isinstance(mem, float) and 0 < mem <= 1) or (isinstance(mem, int) and mem > 0)):
+            raise ConfigError(f"kv_cache_memory must be a fraction in (0, 1] or a byte count > 0, got {mem!r}")
         if self.gemm not in ("auto", "packed", "default"):
             raise ConfigError(f"gemm must be auto, packed or default, got {self.gemm!r}")
         if self.attn_implementation not in ("sdpa", "eager"):

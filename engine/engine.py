@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from exspec.engine.config import EngineConfig
-from exspec.engine.kv_cache import SlotAllocator
+from exspec.engine.config import KV_MEMORY_DEFAULT, EngineConfig
+from exspec.engine.kv_cache import BlockManager, PagedKVCache, SlotAllocator, available_memory
 from exspec.engine.loader import ModelPair, load_model_pair
 from exspec.engine.params import SamplingParams
 from exspec.engine.runner import ModelRunner, to_device
@@ -24,7 +24,7 @@ from exspec.engine.sampling import (
 )
 from exspec.engine.sequence import SeqState
 from exspec.engine.types import PrefillBatch, SeqOutput, StepBatch, StepOutput
-from exspec.errors import InvalidRequestError
+from exspec.errors import CapacityError, ConfigError, InvalidRequestError
 
 
 class _Clock:
@@ -70,11 +70,14 @@ class Draft:
 
 
 class SpecEngine:
-    """Batched speculative decoding over per-sequence KV slots.
+    """Batched speculative decoding over paged per-sequence KV (engine/kv_cache.py).
 
     The scheduler names sequences by id: `add(seq_id, prompt, params)`, then `prefill` and `step` batches of
     ids, then `free(seq_id)`. Each call does exactly one device-to-host transfer (the sampled tokens and
     acceptance counts). The engine never decides that a sequence is finished: it samples, the scheduler cuts.
+    A sequence holds KV blocks for its prompt from `add`, gets the blocks a step may write at the start of
+    that step, and returns them at `free`; when blocks run short, `add` and `step` raise CapacityError
+    before changing anything (the scheduler checks `blocks_needed` first).
     """
 
     def __init__(self, config: EngineConfig, pair: ModelPair | None = None, seed: int = 0) -> None:
@@ -90,15 +93,22 @@ class SpecEngine:
         # and rows near the end of their context fill the columns past their budget with padding.
         pool_len = self.max_model_len + self.max_k + 1
         att = config.attention
-        self.target = ModelRunner(self.pair.target, slots, pool_len, self.vocab_size, attention=att)
-        self.draft = (
-            ModelRunner(self.pair.draft, slots, pool_len, self.vocab_size, attention=att)
-            if self.pair.draft is not None
-            else None
-        )
-        self.device = self.target.device
+        dev = next(self.pair.target.parameters()).device
+        self.block_size = config.block_size
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self.num_blocks = self._pool_blocks(config, dev, max_blocks)
+        self.blocks = BlockManager(self.num_blocks, self.block_size, slots, max_blocks, dev)
+        try:
+            self.target = ModelRunner(self.pair.target, self.blocks, self.vocab_size, attention=att)
+            self.draft = (
+                ModelRunner(self.pair.draft, self.blocks, self.vocab_size, attention=att)
+                if self.pair.draft is not None
+                else None
+            )
+        except torch.OutOfMemoryError as e:  # pragma: no cover - depends on the device
+            raise ConfigError(f"cannot allocate {self.num_blocks} KV blocks: lower --kv-cache-memory") from e
+        self.device = dev
         self.allocator = SlotAllocator(slots)
-        dev = self.device
         self.token_buf = torch.zeros(slots, pool_len, dtype=torch.long, device=dev)  # [slots, pool_len]
         self.temperature = torch.zeros(slots, device=dev)  # [slots]
         self.top_p = torch.ones(slots, device=dev)  # [slots]
@@ -121,6 +131,41 @@ class SpecEngine:
     @property
     def num_free_slots(self) -> int:
         return self.allocator.num_free
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.blocks.num_free_blocks
+
+    def blocks_needed(self, seq_id: int | None, length: int) -> int:
+        """New blocks the sequence must be given to hold positions [0, length) (positions past max_model_len
+        are never held: they are padding); seq_id None: a sequence not yet added. 0 when it holds them."""
+        want = self.blocks.blocks_for(min(length, self.max_model_len))
+        if seq_id is None:
+            return want
+        return max(0, want - self.blocks.held(self._states([seq_id])[0].slot))
+
+    def _pool_blocks(self, config: EngineConfig, device: torch.device, max_blocks: int) -> int:
+        """KV blocks the pools get: the memory budget over both models' bytes per block, at most enough for
+        max_num_seqs sequences of max_model_len. ConfigError (with the figures) if one such sequence cannot fit."""
+        models = [m for m in (self.pair.target, self.pair.draft) if m is not None]
+        per_block = sum(
+            PagedKVCache.bytes_per_block(m.config, config.block_size, next(m.parameters()).dtype) for m in models
+        )
+        mem = config.kv_cache_memory if config.kv_cache_memory is not None else KV_MEMORY_DEFAULT[device.type]
+        if isinstance(mem, float):
+            free = available_memory(device)
+            budget, what = int(mem * free), f"{mem:g} of the {free / 2**30:.2f} GiB free on {device.type}"
+        else:
+            budget, what = mem, "asked for"
+        num = min(budget // per_block, config.max_num_seqs * max_blocks)
+        if num < max_blocks:
+            raise ConfigError(
+                f"one sequence of max_model_len {self.max_model_len} needs {max_blocks} KV blocks of "
+                f"{config.block_size} positions ({max_blocks * per_block / 2**30:.2f} GiB for the target and draft), "
+                f"but the KV cache memory, {budget / 2**30:.2f} GiB ({what}), holds {num}: "
+                "lower --max-model-len or raise --kv-cache-memory"
+            )
+        return num
 
     @property
     def num_slots(self) -> int:
@@ -149,31 +194,37 @@ class SpecEngine:
             raise InvalidRequestError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
 
     def add(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Admit a sequence under `seq_id`: take a slot (CapacityError when none is free). Prefill comes later.
-        Either the sequence is admitted whole or nothing changes."""
+        """Admit a sequence under `seq_id`: take a slot and the blocks its prompt needs (CapacityError when
+        either is short). Prefill comes later. Either the sequence is admitted whole or nothing changes."""
         if seq_id in self._seqs:
             raise InvalidRequestError(f"sequence id {seq_id} is already in use")
         self.check_prompt(prompt_token_ids)
         self.check_params(params)
+        n = len(prompt_token_ids)
+        need = self.blocks_needed(None, n)
+        if need > self.blocks.num_free_blocks:
+            raise CapacityError(f"the prompt needs {need} KV blocks, {self.blocks.num_free_blocks} of {self.num_blocks} are free")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         slot = self.allocator.allocate()
         try:
-            n = len(prompt_token_ids)
+            self.blocks.grow([(slot, need)])
             self.token_buf[slot, :n] = to_device(prompt_token_ids, self.device)
             self.temperature[slot] = params.temperature
             self.top_p[slot] = params.top_p
             self.top_k[slot] = params.top_k
             self.seeds[slot] = seed
         except BaseException:
+            self.blocks.free(slot)
             self.allocator.free(slot)
             raise
         self._seqs[seq_id] = SeqState(slot=slot, prompt_len=n, params=params, seed=seed, length=n)
 
     def free(self, seq_id: int) -> None:
-        """Give the sequence's slot back (a no-op for an unknown id). Its stale K/V is simply overwritten by
-        the next owner."""
+        """Give the sequence's slot and blocks back (a no-op for an unknown id). Its stale K/V is simply
+        overwritten by the blocks' next owner."""
         state = self._seqs.pop(seq_id, None)
         if state is not None:
+            self.blocks.free(state.slot)
             self.allocator.free(state.slot)
 
     def _states(self, seq_ids) -> list[SeqState]:
@@ -265,7 +316,8 @@ class SpecEngine:
         return self._commit(plan, tokens, num_accepted, seconds(t0, t1), seconds(t1, t2), catchup_s)
 
     def _plan(self, batch: StepBatch) -> StepPlan:
-        """Resolve the batch: each row's draft budget, the batch shape, and the per-step device tensors."""
+        """Resolve the batch: each row's draft budget, its blocks for the step, the batch shape, and the per-step
+        device tensors. CapacityError, before any change, when the free blocks do not cover the batch."""
         states = self._states(batch.seq_ids)
         for sid, st in zip(batch.seq_ids, states):
             if st.num_prefilled < st.prompt_len or st.length >= self.max_model_len:
@@ -280,8 +332,10 @@ class SpecEngine:
             min(k, self.max_model_len - 1 - n) if st.params.use_speculation else 0 for st, n in zip(states, lengths)
         )
         k = max(row_k)
-        dev = self.device
         slots = tuple(st.slot for st in states)
+        # The blocks this step may write (verify positions up to length - 1 + k): all rows or none.
+        self.blocks.grow([(s, self.blocks.blocks_for(min(n + k, self.max_model_len))) for s, n in zip(slots, lengths)])
+        dev = self.device
         slot_t = to_device(list(slots), dev)  # [B]
         len_t = to_device(list(lengths), dev)  # [B]
         cols = torch.arange(k + 1, device=dev)  # [k + 1]

@@ -1,24 +1,34 @@
-"""Per-sequence KV caches in preallocated, position-indexed slot pools.
+"""Paged per-sequence KV: fixed-size blocks, one block allocator for the target/draft pair, a device block table.
 
-Each model owns one pool per layer: keys and values of shape [num_slots, kv_heads, max_len, head_dim].
-A sequence owns one slot (the same index in the target's and the draft's pool). Its K/V for token
-position p is written at index p of its slot and never moves: rolling back rejected draft tokens is
-"do not advance the length", admitting a sequence is taking a free slot index, freeing it is giving
-the index back. Nothing is ever copied, padded or realigned between steps.
+Each model owns, per layer, a key pool and a value pool of shape [num_blocks + 1, block_size, kv_heads,
+head_dim] (token-major inside a block). A sequence owns block ids; its K/V for position p lives at
+`block_table[slot, p // block_size] * block_size + p % block_size` of the pool seen as
+[(num_blocks + 1) * block_size, kv_heads, head_dim], in both models' pools (the same ids). Block 0 is the
+*null block*: never handed out; writes of padding columns past the blocks a row owns land there, and what
+is read from it is always masked out.
+
+A sequence gets the blocks for its prompt at admission and more at the start of each step (for the
+positions the step may write); it returns them when freed. Its K/V never move: rolling back rejected
+drafts is "do not advance the length". The block table is a device tensor [max_num_seqs, max_blocks_per_seq]
+int32, one row per sequence metadata row ("slot"), updated in place for the new entries only.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from exspec.errors import CapacityError
+from exspec.errors import CapacityError, ModelLoadError
+
+NULL_BLOCK = 0
 
 
 class SlotAllocator:
-    """O(1) bookkeeping of which slot indices are in use."""
+    """O(1) bookkeeping of which sequence metadata rows ("slots": token buffer, sampling parameters, block
+    table row) are in use."""
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
@@ -41,16 +51,115 @@ class SlotAllocator:
         self._free.append(slot)
 
 
-@dataclass
-class ForwardView:
-    """Where one forward reads and writes in the pool. Set on the cache before each forward."""
+class BlockManager:
+    """Block ids 1..num_blocks for both models' pools, and the device block table.
 
-    slots: torch.Tensor  # [B] long: slot of each batch row
-    positions: torch.Tensor  # [B, Q] long: position of each query token (its K/V lands there)
-    kv_len: int  # keys 0..kv_len-1 of each row are returned to attention ("gather" backend)
-    slot_range: tuple[int, int] | None  # (first, last + 1) when slots are consecutive: a view, no gather
-    read_pool: bool = False  # attention reads the pools in place (engine/attention_pool.py): return them whole
-    write_index: tuple[int, torch.Tensor] | None = None  # (kv_heads, [B * kv_heads * Q]): built at the first layer
+    Allocation takes the block right after the slot's last one while it is free (a sequence's blocks stay
+    contiguous where possible: CPU attention then reads them as one strided view), else the lowest free id.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, num_slots: int, max_blocks_per_seq: int,
+                 device: torch.device) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.block_table = torch.zeros(num_slots, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self._is_free = [False] + [True] * num_blocks  # index: block id (0, the null block, is never free)
+        self._heap = list(range(1, num_blocks + 1))  # min-heap of free ids; may hold stale (taken) entries
+        self._num_free = num_blocks
+        self._blocks: list[list[int]] = [[] for _ in range(num_slots)]  # host mirror of each table row
+        self._contiguous = [True] * num_slots  # slot's blocks are consecutive ids
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._num_free
+
+    def held(self, slot: int) -> int:
+        return len(self._blocks[slot])
+
+    def blocks_for(self, length: int) -> int:
+        """Blocks that hold positions [0, length)."""
+        return -(-length // self.block_size)
+
+    def first_contiguous_block(self, slot: int, length: int) -> int:
+        """The slot's first block id if its blocks are consecutive ids and hold positions [0, length) (one
+        strided view then reads them), else -1."""
+        blocks = self._blocks[slot]
+        ok = self._contiguous[slot] and len(blocks) * self.block_size >= length > 0
+        return blocks[0] if ok else -1
+
+    def blocks(self, slot: int) -> list[int]:
+        return self._blocks[slot]
+
+    def grow(self, wants: list[tuple[int, int]]) -> None:
+        """Give each (slot, blocks it must hold) its missing blocks, all or nothing: CapacityError before any
+        change when the free blocks do not cover them all. One device write for the new table entries."""
+        too_many = [n for _, n in wants if n > self.max_blocks_per_seq]
+        if too_many:
+            raise CapacityError(f"{too_many[0]} blocks asked for one sequence, at most {self.max_blocks_per_seq}")
+        need = sum(max(0, n - len(self._blocks[s])) for s, n in wants)
+        if need > self._num_free:
+            raise CapacityError(f"{need} KV blocks needed, {self._num_free} of {self.num_blocks} free")
+        rows, cols, ids = [], [], []
+        for slot, n in wants:
+            have = self._blocks[slot]
+            while len(have) < n:
+                block = self._take(have[-1] + 1 if have else 0)
+                if have and block != have[-1] + 1:
+                    self._contiguous[slot] = False
+                rows.append(slot)
+                cols.append(len(have))
+                ids.append(block)
+                have.append(block)
+        if ids:
+            dev = self.block_table.device
+            self.block_table[_to(rows, dev), _to(cols, dev)] = _to(ids, dev, torch.int32)
+
+    def free(self, slot: int) -> None:
+        """Return the slot's blocks; its table row goes back to the null block."""
+        blocks = self._blocks[slot]
+        if blocks:
+            self.block_table[slot, : len(blocks)] = NULL_BLOCK
+        for b in blocks:
+            self._is_free[b] = True
+            heapq.heappush(self._heap, b)
+        self._num_free += len(blocks)
+        self._blocks[slot] = []
+        self._contiguous[slot] = True
+
+    def _take(self, preferred: int) -> int:
+        if 0 < preferred <= self.num_blocks and self._is_free[preferred]:
+            block = preferred  # its heap entry turns stale
+        else:
+            block = heapq.heappop(self._heap)
+            while not self._is_free[block]:
+                block = heapq.heappop(self._heap)
+        self._is_free[block] = False
+        self._num_free -= 1
+        return block
+
+
+def _to(values: list[int], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+@dataclass
+class ForwardMeta:
+    """Where one forward writes and what its attention reads: built once per forward from device tensors,
+    shared by every layer (and handed to the attention backend's plan)."""
+
+    slot_mapping: torch.Tensor  # [B * Q] long: pool row (block * block_size + offset) each new K/V lands at
+    block_tables: torch.Tensor  # [B, n_blocks] int32: physical block of each logical block [0, n_blocks) per row
+    seq_lens: torch.Tensor  # [B] int32: keys each row holds once this forward's K/V are written (start + Q)
+    mask: torch.Tensor | None  # [1 or B, 1, Q, kv_len] bool: query may see key (None: the backend needs none)
+    kv_len: int  # max(seq_lens), host
+    q_len: int
+    starts: tuple[int, ...]  # [B] host: position of each row's first query
+    first_blocks: tuple[int, ...]  # [B] host: each row's first block when its blocks are contiguous, else -1
+    window: int | None  # sliding window, or None
+    gather: bool = False  # return gathered K/V [B, kv_heads, kv_len, head_dim] (attention that is not exspec's)
 
 
 class _PoolLayer(CacheLayerMixin):
@@ -62,7 +171,7 @@ class _PoolLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:  # pragma: no cover
         raise NotImplementedError
 
-    def update(self, key_states, value_states, *args, **kwargs):  # pragma: no cover - SlotKVCache.update is used
+    def update(self, key_states, value_states, *args, **kwargs):  # pragma: no cover - PagedKVCache.update is used
         raise NotImplementedError
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:  # pragma: no cover
@@ -75,65 +184,53 @@ class _PoolLayer(CacheLayerMixin):
         return -1
 
 
-class SlotKVCache(Cache):
-    """A transformers `Cache` over the slot pool. The pool tensors are allocated at the first forward
-    (from the model's own K/V shapes, so any architecture works) and live as long as the engine."""
+def kv_shape(config) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of a model's K/V, from its config."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_dim
 
-    def __init__(self, num_layers: int, num_slots: int, max_len: int) -> None:
-        super().__init__(layers=[_PoolLayer() for _ in range(num_layers)])
-        self.num_slots = num_slots
-        self.max_len = max_len
-        self.keys: list[torch.Tensor] = []  # per layer: [num_slots, kv_heads, max_len, head_dim]
-        self.values: list[torch.Tensor] = []  # per layer: [num_slots, kv_heads, max_len, head_dim]
-        self.view: ForwardView | None = None
 
-    def _allocate(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        _, kv_heads, _, head_dim = key_states.shape
-        v_dim = value_states.shape[-1]
-        shape_k = (self.num_slots, kv_heads, self.max_len, head_dim)
-        shape_v = (self.num_slots, kv_heads, self.max_len, v_dim)
-        try:
-            self.keys.append(torch.zeros(shape_k, dtype=key_states.dtype, device=key_states.device))
-            self.values.append(torch.zeros(shape_v, dtype=value_states.dtype, device=value_states.device))
-        except torch.OutOfMemoryError as e:  # pragma: no cover - depends on the device
-            raise CapacityError(
-                f"cannot allocate the KV pool for layer {layer_idx} ({shape_k} x2): lower max_num_seqs or max_model_len"
-            ) from e
+class PagedKVCache(Cache):
+    """A transformers `Cache` over one model's block pools, allocated up front and alive as long as the engine.
+    `update` writes the forward's K/V through `meta.slot_mapping` and hands attention the layer's whole pools."""
+
+    def __init__(self, config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        layers, kv_heads, head_dim = kv_shape(config)
+        super().__init__(layers=[_PoolLayer() for _ in range(layers)])
+        shape = (num_blocks + 1, block_size, kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.block_size = block_size
+        self.meta: ForwardMeta | None = None
+
+    @staticmethod
+    def bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+        layers, kv_heads, head_dim = kv_shape(config)
+        return 2 * layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        """Write this forward's K/V at their positions; return what attention reads.
+        """Write this forward's K/V at their pool rows; return what attention reads.
 
         key_states, value_states: [B, kv_heads, Q, head_dim]
-        returns: with view.read_pool, the layer's pools themselves [num_slots, kv_heads, max_len, head_dim]
-        (no copy); otherwise each row's keys/values [0, kv_len): [B, kv_heads, kv_len, head_dim], a view when
-        the slots are consecutive, an `index_select` copy when not (the "gather" reference backend).
+        returns: the layer's pools [num_blocks + 1, block_size, kv_heads, head_dim] (no copy), or with
+        `meta.gather` each row's keys/values [0, kv_len): [B, kv_heads, kv_len, head_dim] (a copy).
         """
-        view = self.view
-        if len(self.keys) <= layer_idx:
-            self._allocate(layer_idx, key_states, value_states)
+        meta = self.meta
         k_pool, v_pool = self.keys[layer_idx], self.values[layer_idx]
-        index = self._write_index(view, key_states.shape[1])  # [B * kv_heads * Q]
-        k_pool.view(-1, k_pool.shape[-1]).index_copy_(0, index, key_states.reshape(-1, k_pool.shape[-1]).to(k_pool.dtype))
-        v_pool.view(-1, v_pool.shape[-1]).index_copy_(0, index, value_states.reshape(-1, v_pool.shape[-1]).to(v_pool.dtype))
-        if view.read_pool:
-            return k_pool, v_pool
-        if view.slot_range is not None:
-            first, end = view.slot_range
-            return k_pool[first:end, :, : view.kv_len], v_pool[first:end, :, : view.kv_len]
-        return (
-            k_pool[:, :, : view.kv_len].index_select(0, view.slots),
-            v_pool[:, :, : view.kv_len].index_select(0, view.slots),
+        batch, kv_heads, q_len, head_dim = key_states.shape
+        if kv_heads != k_pool.shape[2] or head_dim != k_pool.shape[3]:
+            raise ModelLoadError(f"layer {layer_idx} K/V shape {tuple(key_states.shape)} does not match the config's "
+                                 f"(kv_heads {k_pool.shape[2]}, head_dim {k_pool.shape[3]})")
+        rows = k_pool.view(-1, kv_heads, head_dim)  # [(num_blocks + 1) * block_size, kv_heads, head_dim]
+        rows.index_copy_(0, meta.slot_mapping, key_states.transpose(1, 2).reshape(-1, kv_heads, head_dim).to(k_pool.dtype))
+        v_pool.view(-1, kv_heads, head_dim).index_copy_(
+            0, meta.slot_mapping, value_states.transpose(1, 2).reshape(-1, kv_heads, head_dim).to(v_pool.dtype)
         )
-
-    def _write_index(self, view: ForwardView, kv_heads: int) -> torch.Tensor:
-        """Row of (slot, head, position) in the pool seen as [num_slots * kv_heads * max_len, head_dim], for
-        every written K/V vector in (row, head, query) order; one `index_copy_` per layer then writes them all
-        (15x cheaper than advanced-index assignment on the CPU). Built once per forward."""
-        if view.write_index is None or view.write_index[0] != kv_heads:
-            heads = torch.arange(kv_heads, device=view.slots.device)  # [H]
-            index = (view.slots[:, None, None] * kv_heads + heads[None, :, None]) * self.max_len + view.positions[:, None, :]
-            view.write_index = (kv_heads, index.reshape(-1))  # [B, H, Q] -> [B * H * Q]
-        return view.write_index[1]
+        if meta.gather:
+            return gather_kv(k_pool, meta), gather_kv(v_pool, meta)
+        return k_pool, v_pool
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are always passed explicitly
@@ -141,3 +238,30 @@ class SlotKVCache(Cache):
     @property
     def is_compileable(self) -> bool:
         return False
+
+
+def gather_kv(pool: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
+    """Each row's keys (or values) [0, kv_len) copied out of the blocks: [B, kv_heads, kv_len, head_dim].
+    pool: [num_blocks + 1, block_size, kv_heads, head_dim]."""
+    batch, n_blocks = meta.block_tables.shape
+    _, block_size, kv_heads, head_dim = pool.shape
+    rows = pool.index_select(0, meta.block_tables.reshape(-1))  # [B * n_blocks, block_size, kv_heads, head_dim]
+    rows = rows.view(batch, n_blocks * block_size, kv_heads, head_dim)[:, : meta.kv_len]
+    return rows.transpose(1, 2)  # [B, kv_heads, kv_len, head_dim]
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for the KV pools now: CUDA's free memory on the device, else the host's MemAvailable
+    (physical pages times a quarter when /proc/meminfo cannot be read)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    import os  # pragma: no cover
+
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4  # pragma: no cover

@@ -1,13 +1,13 @@
-"""One model over its KV slot pool: a single forward primitive, `extend`, used for prefill, draft and verify."""
+"""One model over its paged KV pools: a single forward primitive, `extend`, used for prefill, draft and verify."""
 
 from __future__ import annotations
 
-
 import torch
 
+from exspec.engine import backends
 from exspec.engine.attention import NAME as EXSPEC_ATTENTION
-from exspec.engine.attention_pool import BACKENDS, PoolPlan, flash_available, plan_runs
-from exspec.engine.kv_cache import ForwardView, SlotKVCache
+from exspec.engine.attention import AttentionCall
+from exspec.engine.kv_cache import BlockManager, ForwardMeta, PagedKVCache
 from exspec.errors import ExspecError
 
 
@@ -19,11 +19,6 @@ def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.lon
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
-def _consecutive(slots: list[int]) -> tuple[int, int] | None:
-    first = slots[0]
-    return (first, first + len(slots)) if slots == list(range(first, first + len(slots))) else None
-
-
 class ModelRunner:
     """Runs `extend` forwards of one causal LM: each row feeds Q tokens at positions start..start+Q-1.
 
@@ -31,24 +26,26 @@ class ModelRunner:
     - grouped: every row has the same start. Positions are shared and the mask is one causal block
       [1, 1, Q, kv_len] broadcast over the batch: no padding, no per-row mask.
     - mixed: rows start at different positions. Each row gets its own positions and a [B, 1, Q, kv_len]
-      mask (query at position p sees keys 0..p of its own slot). Rows shorter than Q are right-padded;
-      padding queries write K/V past the row's length, where nothing reads before it is overwritten.
+      mask (query at position p sees keys 0..p of its own sequence). Rows shorter than Q are right-padded;
+      padding queries write K/V past the row's length (in a block it owns, where nothing reads before it is
+      overwritten, or in the null block).
+    The K/V live in `blocks`' block ids (shared with the other model of the pair) of this model's own pools.
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
-        num_slots: int,
-        max_len: int,
+        blocks: BlockManager,
         vocab_size: int,
-        attention: str | None = None,  # "gather" | "pool" | "flash"; None or "auto": the default for the device
+        attention: str = backends.AUTO,  # a name in engine/backends/ (names()); "auto": the device's default
     ) -> None:
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = vocab_size  # logits are cut to the vocabulary shared with the other model
-        self.cache = SlotKVCache(self.config.num_hidden_layers, num_slots, max_len)
+        self.blocks = blocks
+        self.cache = PagedKVCache(self.config, blocks.num_blocks, blocks.block_size, self.dtype, self.device)
         self.base = model.base_model
         self.head = model.get_output_embeddings()
         self.float_mask = self.config._attn_implementation == "eager"  # eager adds the mask to the scores
@@ -58,14 +55,16 @@ class ModelRunner:
         # of their context with columns past it; those columns are clamped here for the model alone (their
         # outputs are never used), while the cache and the mask keep the true positions.
         self.max_position = _position_limit(self.config)
-        self.attention = resolve_attention(attention, self.device, self.config._attn_implementation)
+        self.backend = resolve_attention(attention, self.device, self.config._attn_implementation)
+        self.attention = self.backend.name if self.backend is not None else "gather"
+        self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)  # for backends that need none
 
     @torch.inference_mode()
     def extend(
         self,
         tokens: torch.Tensor,  # [B, Q] long, on device
         starts: list[int],  # [B] host: position of each row's first query token
-        slots: list[int],  # [B] host: each row's KV slot
+        slots: list[int],  # [B] host: each row's sequence slot (its block table row)
         select: torch.Tensor | None = None,  # [B, n] long: query indices whose logits are wanted; None: all
         force_per_row: bool = False,  # per-row positions and mask even if every start is equal
     ) -> torch.Tensor:  # [B, n or Q, vocab] float32
@@ -78,24 +77,12 @@ class ModelRunner:
             positions = (offsets + starts[0])[None, :]  # [1, Q]
         else:
             positions = to_device(starts, dev)[:, None] + offsets  # [B, Q]
-        if kv_len > self.cache.max_len:
-            # Only right-padding queries can reach past the pool (a late prefill chunk batched with a wider
-            # one): real queries stop at max_model_len + k - 2. Park them on the pool's last position,
-            # which no real query ever reads.
-            positions = positions.clamp(max=self.cache.max_len - 1)
-            kv_len = self.cache.max_len
-        mask = self._mask(positions, kv_len)  # [1 or B, 1, Q, kv_len]
         slot_t = to_device(slots, dev)  # [B]
-        plan = self._pool_plan(slots, starts, q_len, mask, slot_t)
-        self.cache.view = ForwardView(
-            slots=slot_t,
-            positions=positions.expand(batch, q_len),
-            kv_len=kv_len,
-            slot_range=_consecutive(slots),
-            read_pool=plan is not None,
-        )
+        meta = self._meta(positions, batch, slot_t, starts, slots, kv_len)
+        mask = meta.mask if meta.mask is not None else self._no_mask  # [1 or B, 1, Q, kv_len]
+        self.cache.meta = meta
         model_positions = positions if self.max_position is None else positions.clamp(max=self.max_position - 1)
-        extra = {"exspec_pool": plan} if plan is not None else {}
+        extra = {"exspec_attention": AttentionCall(self.backend, self.backend.plan(meta))} if self.backend else {}
         hidden = self.base(
             input_ids=tokens,
             position_ids=model_positions.expand(batch, q_len),
@@ -104,7 +91,7 @@ class ModelRunner:
             use_cache=True,
             **extra,
         ).last_hidden_state  # [B, Q, hidden]
-        self.cache.view = None
+        self.cache.meta = None
         if select is not None:
             hidden = hidden.gather(1, select[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, n, hidden]
         logits = self.head(hidden)[..., : self.vocab_size].float()  # [B, n, vocab]
@@ -112,21 +99,33 @@ class ModelRunner:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
-    def _pool_plan(
-        self, slots: list[int], starts: list[int], q_len: int, mask: torch.Tensor, slot_t: torch.Tensor
-    ) -> PoolPlan | None:
-        """How attention reads this forward's rows from the pools (None: the "gather" reference)."""
-        if self.attention == "gather":
-            return None
-        pool_len = self.cache.max_len
-        if self.attention == "flash":  # pragma: no cover - needs CUDA and flash_attn
-            lengths = [min(s + q_len, pool_len) for s in starts]
-            return PoolPlan(
-                "flash", (), None, slot_t.to(torch.int32), to_device(lengths, self.device, torch.int32), self.sliding_window
-            )
-        # One query per row and no window: every key up to the row's own length is visible, no mask needed.
-        need_mask = q_len > 1 or self.sliding_window is not None
-        return PoolPlan("pool", plan_runs(slots, starts, q_len, pool_len), mask if need_mask else None, None, None, None)
+    def _meta(self, positions: torch.Tensor, batch: int, slot_t: torch.Tensor, starts: list[int], slots: list[int],
+              kv_len: int) -> ForwardMeta:
+        """The forward's write rows, block tables and lengths, from the device block table (no host sync).
+        positions: [1 or B, Q]. Positions past the blocks a row owns (right padding) map to the null block."""
+        bs = self.blocks.block_size
+        q_len = positions.shape[1]
+        n_blocks = -(-kv_len // bs)
+        table = self.blocks.block_table.index_select(0, slot_t)  # [B, max_blocks_per_seq] int32
+        if n_blocks > table.shape[1]:  # right padding past max_model_len: zero (null block) columns
+            table = torch.cat([table, table.new_zeros(batch, n_blocks - table.shape[1])], dim=1)
+        table = table[:, :n_blocks]  # [B, n_blocks]
+        full = positions.expand(batch, q_len)  # [B, Q]
+        physical = table.gather(1, full // bs).long()  # [B, Q]
+        slot_mapping = (physical * bs + full % bs).reshape(-1)  # [B * Q]
+        need_mask = self.backend is None or self.backend.needs_mask
+        return ForwardMeta(
+            slot_mapping=slot_mapping,
+            block_tables=table,
+            seq_lens=to_device([s + q_len for s in starts], self.device, torch.int32),
+            mask=self._mask(positions, kv_len) if need_mask else None,
+            kv_len=kv_len,
+            q_len=q_len,
+            starts=tuple(starts),
+            first_blocks=tuple(self.blocks.first_contiguous_block(s, st + q_len) for s, st in zip(slots, starts)),
+            window=self.sliding_window,
+            gather=self.backend is None,
+        )
 
     def _mask(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """Causal (and sliding-window) mask by absolute position. positions: [R, Q] -> [R, 1, Q, kv_len]."""
@@ -149,21 +148,17 @@ def _position_limit(config) -> int | None:
     return None
 
 
-def resolve_attention(name: str | None, device: torch.device, attn_implementation: str) -> str:
-    """The attention backend a runner uses (engine/attention_pool.py), resolved once.
-
-    Default: "pool" on the CPU with exspec's attention function (attn_implementation "sdpa"), where it was
-    measured; "gather" on CUDA (unmeasured there: "flash" or "pool" are opt-in) and for "eager" (it adds a float
-    mask to the scores of gathered K/V). "flash" is never a default: it has not run in exspec's CI (no GPU).
-    """
-    name = None if name in (None, "auto") else name
-    if name is not None and name not in BACKENDS:
-        raise ExspecError(f"attention backend must be one of {list(BACKENDS)}, got {name!r}")
+def resolve_attention(name: str, device: torch.device, attn_implementation: str) -> backends.AttentionBackend | None:
+    """The attention backend a runner uses (engine/backends/), resolved once. None for an attn_implementation
+    other than exspec's (eager): it reads gathered K/V under a float mask."""
+    if name != backends.AUTO and name not in backends.names():
+        raise ExspecError(f"attention backend must be {backends.AUTO} or one of {list(backends.names())}, got {name!r}")
     if attn_implementation != EXSPEC_ATTENTION:
-        return "gather"  # eager (or any other implementation) reads gathered K/V
-    if name == "flash" and not flash_available(device):
-        raise ExspecError("attention backend 'flash' needs a CUDA device and the flash_attn package")
-    return name or ("pool" if device.type == "cpu" else "gather")
+        return None
+    try:
+        return backends.create(name, device)
+    except ValueError as e:
+        raise ExspecError(str(e)) from None
 
 
 def _sliding_window(config) -> int | None:

@@ -1,4 +1,4 @@
-"""One sequence's host-side state inside the engine: its slot and how far each cache is valid. Private to
+"""One sequence's host-side state inside the engine: its slot (metadata row) and how far each cache is valid. Private to
 the engine: the scheduler only ever sees the sequence's id."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class SeqState:
       (the mask stops at the query's own position) and are overwritten before use.
     """
 
-    slot: int  # index into both models' KV slot pools
+    slot: int  # the sequence's metadata row: token_buf, sampling parameters, block table row
     prompt_len: int  # number of prompt tokens
     params: SamplingParams
     seed: int  # per-sequence RNG seed (drawn if the request gave none)

@@ -7,13 +7,14 @@ Kept free of torch at import time, so that `exspec --help` stays fast.
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from exspec.errors import ConfigError
@@ -25,6 +26,12 @@ if TYPE_CHECKING:
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 SPECULATION_MODES = ("auto", "fixed", "adaptive")
 DEFAULT_SPECULATION = "auto"  # the scheduler's own default (SchedulerConfig.speculation): k from measured goodput
+# The KV pool's default share of the memory free once the weights are loaded (--kv-cache-memory): most of a
+# GPU (vLLM's --gpu-memory-utilization is 0.9 of the whole GPU), a modest part of the RAM a CPU host still has
+# available (its other processes keep the rest; the pool's pages are touched at start-up).
+KV_MEMORY_DEFAULT = {"cuda": 0.9, "cpu": 0.25}
+# The attention backend "auto" picks per device type (falling back to "reference" where it cannot run).
+ATTENTION_DEFAULT = {"cuda": "triton", "cpu": "sdpa"}
 # config.json keys that declare a model's position limit, in the order they are looked for.
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
@@ -43,7 +50,8 @@ class Settings(BaseSettings):
     dtype: str = "auto"  # auto (bfloat16 on cuda, float32 on cpu) or one of DTYPES
     max_model_len: int | None = Field(default=None, ge=2)  # default: the smaller position limit of the two models
     num_speculative_tokens: int = Field(default=4, ge=0, le=32)  # k (the largest k under an adaptive policy)
-    attention_backend: str = "auto"  # auto | pool | gather | flash: how attention reads the KV slot pools
+    attention_backend: str = "auto"  # auto or one of attention_backends(): how attention reads the KV blocks
+    kv_cache_memory: str | None = None  # KV pool: a fraction of the memory free after the weights, or bytes ("4GiB")
     gemm: str = "auto"  # auto | packed | default: oneDNN-prepacked linears for multi-row CPU forwards
     # the scheduler
     speculation: str = DEFAULT_SPECULATION
@@ -68,6 +76,12 @@ class Settings(BaseSettings):
     max_stop_chars: int = Field(default=1024, ge=1, le=2**63 - 1)  # characters per stop string
     max_stop_token_ids: int = Field(default=256, ge=0, le=2**63 - 1)  # stop_token_ids per request
 
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _kv_cache_memory(cls, value: str | None) -> str | None:
+        parse_kv_cache_memory(value)
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if self.pool_size is not None and self.pool_size < self.max_batch_size:
@@ -77,8 +91,9 @@ class Settings(BaseSettings):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "pool", "gather", "flash"):
-            raise ValueError(f"attention_backend must be auto, pool, gather or flash, got {self.attention_backend!r}")
+        if self.attention_backend != "auto" and self.attention_backend not in attention_backends():
+            raise ValueError(f"attention_backend must be auto or one of {', '.join(attention_backends())}, "
+                             f"got {self.attention_backend!r}")
         if self.gemm not in ("auto", "packed", "default"):
             raise ValueError(f"gemm must be auto, packed or default, got {self.gemm!r}")
         if self.speculation not in SPECULATION_MODES:
@@ -92,8 +107,45 @@ class Settings(BaseSettings):
         return self
 
     @property
+    def resolved_kv_cache_memory(self) -> float | int | None:
+        return parse_kv_cache_memory(self.kv_cache_memory)
+
+    @property
     def resolved_pool_size(self) -> int:
         return self.pool_size if self.pool_size is not None else 4 * self.max_batch_size
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_kv_cache_memory(value: str | None) -> float | int | None:
+    """`--kv-cache-memory`: a fraction in (0, 1] of the memory free once the weights are loaded ("0.5"), or a
+    byte count with an optional unit ("4GiB", "512MB", "1000000"). None: the engine's device default."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    bad = f"kv_cache_memory must be a fraction in (0, 1] (with a decimal point) or a byte size like 4GiB, got {value!r}"
+    if "." in text:
+        try:
+            fraction = float(text)
+        except ValueError:
+            raise ValueError(bad) from None
+        if not 0 < fraction <= 1:
+            raise ValueError(bad)
+        return fraction
+    match = re.fullmatch(r"(\d+)\s*([a-zA-Z]*)", text)
+    if match is None or match.group(2).lower() not in _UNITS or int(match.group(1)) == 0:
+        raise ValueError(bad)
+    return int(match.group(1)) * _UNITS[match.group(2).lower()]
+
+
+def attention_backends() -> tuple[str, ...]:
+    """The attention backends: engine/backends/, one file per backend named as it, listed without importing the
+    engine (torch), so that `--help` stays fast. The registry checks that each file registers its own name."""
+    spec = importlib.util.find_spec("exspec.engine")
+    folder = Path(next(iter(spec.submodule_search_locations))) / "backends"
+    return tuple(sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__"))
 
 
 def load_settings(given: dict) -> Settings:
@@ -183,8 +235,8 @@ def resolve(
         max_num_speculative_tokens=k,
         attention=settings.attention_backend,
         gemm=settings.gemm,
+        kv_cache_memory=settings.resolved_kv_cache_memory,
     )
-    _check_pool_memory(engine, target, draft)
     scheduler = SchedulerConfig(
         max_batch_size=settings.max_batch_size,
         pool_size=pool,
@@ -193,53 +245,3 @@ def resolve(
         speculation=settings.speculation,
     )
     return ResolvedConfig(engine=engine, scheduler=scheduler, position_limit=limit)
-
-
-def kv_pool_bytes(model_dir: Path, slots: int, positions: int, dtype_bytes: int) -> int | None:
-    """Bytes of one model's K and V pools: 2 x layers x kv_heads x head_dim x slots x positions x dtype."""
-    try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    cfg = cfg.get("text_config", cfg)
-    layers = cfg.get("num_hidden_layers", cfg.get("n_layer"))
-    heads = cfg.get("num_attention_heads", cfg.get("n_head"))
-    hidden = cfg.get("hidden_size", cfg.get("n_embd"))
-    if not all(isinstance(v, int) and v > 0 for v in (layers, heads, hidden)):
-        return None
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or hidden // heads
-    return 2 * layers * kv_heads * head_dim * slots * positions * dtype_bytes
-
-
-def _available_memory(device: str) -> int | None:
-    if device.startswith("cuda"):
-        import torch
-
-        return torch.cuda.mem_get_info(torch.device(device))[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _check_pool_memory(engine: EngineConfig, target: Path, draft: Path | None) -> None:
-    """Refuse, with the figures, KV pools that cannot fit: a model's full context (e.g. 131072 positions)
-    times the pool's slots can be far more memory than the machine has. EXSPEC_SKIP_MEMORY_CHECK=1 skips it."""
-    if os.environ.get("EXSPEC_SKIP_MEMORY_CHECK"):
-        return
-    dtype_bytes = 4 if engine.dtype in ("float32", "fp32") else 2
-    positions = engine.max_model_len + engine.max_num_speculative_tokens + 1
-    sizes = [kv_pool_bytes(d, engine.max_num_seqs, positions, dtype_bytes) for d in (target, draft) if d is not None]
-    need = sum(s for s in sizes if s)
-    have = _available_memory(engine.device)
-    if have is not None and need > 0.8 * have:
-        raise ConfigError(
-            f"the KV pools for {engine.max_num_seqs} slots x {engine.max_model_len} positions need "
-            f"{need / 2**30:.1f} GiB, more than 80% of the {have / 2**30:.1f} GiB available on {engine.device}: "
-            "lower --max-model-len or --pool-size / --max-batch-size"
-        )

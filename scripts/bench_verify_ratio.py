@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from exspec.engine.attention import register
 from exspec.engine.packed_linear import PackedLinear
+from exspec.bench.forward import block_layouts
 from exspec.engine.runner import ModelRunner
 
 
@@ -51,8 +52,8 @@ def main() -> None:
                 setattr(parent, name, PackedLinear(child))
     vocab = base.config.vocab_size
     params = sum(p.numel() for p in base.parameters()) / 1e6
-    runners = {m: ModelRunner(model, args.batch, args.kv_len + args.k + 2, vocab) for m, model in
-               (("default", base), ("packed", packed))}
+    runners = {m: ModelRunner(model, block_layouts(args.batch, args.kv_len + args.k + 2, 16, torch.device("cpu")), vocab)
+               for m, model in (("default", base), ("packed", packed))}
     b = args.batch
     times: dict[tuple[str, int], list[float]] = {}
     with torch.inference_mode():

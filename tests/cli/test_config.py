@@ -46,11 +46,22 @@ def test_a_length_above_the_limit_names_the_limit(tmp_path):
     assert resolve(Settings(max_model_len=1000, num_speculative_tokens=0), target, draft).engine.draft_model is None
 
 
-def test_pools_that_cannot_fit_are_refused_with_the_figures(tmp_path):
+def test_a_long_context_resolves_and_the_kv_memory_setting_reaches_the_engine(tmp_path, monkeypatch):
+    """No check of slots x positions any more: the engine sizes its block pool from memory (and refuses only a
+    max_model_len that one sequence cannot fit: tests/engine/test_kv_cache.py)."""
     target = _model(tmp_path / "t", max_position_embeddings=131072, hidden_size=4096, num_attention_heads=32,
                     num_key_value_heads=8, num_hidden_layers=32)
-    with pytest.raises(ConfigError, match="KV pools for 32 slots x 131072 positions need .* GiB"):
-        resolve(Settings(), target, None)
+    cfg = resolve(Settings(), target, None)
+    assert cfg.engine.max_model_len == 131072 and cfg.engine.kv_cache_memory is None  # the device default
+    assert resolve(Settings(kv_cache_memory="0.5"), target, None).engine.kv_cache_memory == 0.5
+    monkeypatch.setenv("EXSPEC_KV_CACHE_MEMORY", "4GiB")
+    assert resolve(load_settings({}), target, None).engine.kv_cache_memory == 4 * 2**30
+    assert load_settings({"kv_cache_memory": "512MB"}).resolved_kv_cache_memory == 512 * 10**6
+    for bad in ("0", "1.5", "0.0", "4XB", "lots"):
+        with pytest.raises(ConfigError, match="--kv-cache-memory / EXSPEC_KV_CACHE_MEMORY: kv_cache_memory must be"):
+            load_settings({"kv_cache_memory": bad})
+    with pytest.raises(ConfigError, match="attention_backend must be auto or one of reference, sdpa, triton"):
+        load_settings({"attention_backend": "flash"})
 
 
 def test_every_command_shares_the_defaults(monkeypatch):

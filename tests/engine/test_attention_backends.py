@@ -1,121 +1,153 @@
-"""Attention backends (engine/attention_pool.py): every backend that runs here gives the target's own greedy
-output in the scenarios that exercise the pool (scattered slots, mixed lengths, padding, chunked prefill,
-sliding window, stale K/V), and the pool backend reads the pools in place (no gathered copy)."""
+"""Attention backends (engine/backends/): each backend's forward over paged pools matches SDPA over the dense
+K/V (contiguous and scattered blocks, padding columns, grouped-query heads, sliding window); the cache writes
+through the slot mapping and hands attention the pools themselves; the registry resolves names; and every backend
+that runs here gives the target's own greedy output in the scenarios that exercise the pools."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from tests.engine.conftest import BACKEND_PARAMS
 from tests.engine.test_engine_equivalence import MIXED, MIXED_MAX, assert_matches_reference
 from tests.engine.test_kv_cache import _poison
 from tests.support.driver import admit, prefill, run_to_end, step
 from tests.support.models import random_prompts
 
-from exspec.engine import SamplingParams
-from exspec.engine.attention_pool import BACKENDS, PoolPlan, flash_available, plan_runs, pool_attention
-from exspec.engine.kv_cache import ForwardView, SlotKVCache
+from exspec.config import attention_backends
+from exspec.engine import SamplingParams, backends
+from exspec.engine.kv_cache import ForwardMeta, PagedKVCache
 from exspec.engine.runner import resolve_attention
 from exspec.errors import ExspecError
 
-RUNNABLE = [b for b in BACKENDS if b != "flash" or flash_available(torch.device("cuda"))]
-ALL = [pytest.param(b, marks=pytest.mark.skipif(b not in RUNNABLE, reason="needs CUDA and flash_attn")) for b in BACKENDS]
+CPU = torch.device("cpu")
 
 
 @pytest.fixture
-def backend(request):
+def backend(request, monkeypatch):
+    if request.param == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     return request.param
 
 
 # ---------------------------------------------------------------------------------------------- unit level
 
 
-def test_plan_runs_splits_at_slot_gaps_and_start_changes():
-    runs = plan_runs([4, 5, 6, 9, 2, 3], [7, 7, 7, 7, 7, 9], q_len=2, pool_len=100)
-    assert [(r.row_start, r.row_end, r.first_slot, r.kv_len) for r in runs] == [
-        (0, 3, 4, 9),
-        (3, 4, 9, 9),
-        (4, 5, 2, 9),
-        (5, 6, 3, 11),
-    ]
-    assert plan_runs([0, 1], [98, 98], q_len=5, pool_len=100)[0].kv_len == 100  # clamped to the pool
+def _paged(dense: torch.Tensor, tables: list[list[int]], num_blocks: int, block_size: int) -> torch.Tensor:
+    """dense [B, kv_heads, L, dim] laid out in blocks: [num_blocks + 1, block_size, kv_heads, dim], junk elsewhere."""
+    pool = torch.randn(num_blocks + 1, block_size, dense.shape[1], dense.shape[3]) * 100
+    for b, table in enumerate(tables):
+        for i, block in enumerate(table):
+            chunk = dense[b, :, i * block_size : (i + 1) * block_size].transpose(0, 1)  # [<=bs, kv_heads, dim]
+            pool[block, : chunk.shape[0]] = chunk
+    return pool
 
 
+@pytest.mark.parametrize("backend", BACKEND_PARAMS, indirect=True)
 @pytest.mark.parametrize("q_len, window", [(1, None), (3, None), (4, 6)])
-def test_pool_attention_matches_masked_sdpa_over_gathered_kv(q_len, window):
+def test_backend_forward_matches_sdpa_over_dense_kv(backend, q_len, window):
     torch.manual_seed(0)
-    slots_n, heads, kv_heads, pool_len, dim = 7, 4, 2, 40, 8
-    k_pool = torch.randn(slots_n, kv_heads, pool_len, dim)
-    v_pool = torch.randn(slots_n, kv_heads, pool_len, dim)
-    slots, starts = [5, 1, 2, 6], [20, 3, 3, 31]
-    batch = len(slots)
+    heads, kv_heads, dim, bs = 4, 2, 8, 4
+    starts = [9, 2, 2, 13]  # row 0 contiguous blocks, rows 1-3 scattered or short
+    batch = len(starts)
+    seq_lens = [s + q_len for s in starts]
+    kv_len = max(seq_lens)
+    n_blocks = -(-kv_len // bs)
+    tables = [[1, 2, 3, 4, 5], [9, 6], [7, 12], [8, 10, 11, 13, 14]]
+    tables = [t[: -(-n // bs)] for t, n in zip(tables, seq_lens)]
+    dense_k = torch.randn(batch, kv_heads, kv_len, dim)
+    dense_v = torch.randn(batch, kv_heads, kv_len, dim)
+    k_pool, v_pool = _paged(dense_k, tables, 14, bs), _paged(dense_v, tables, 14, bs)
     query = torch.randn(batch, heads, q_len, dim)
     positions = torch.tensor(starts)[:, None] + torch.arange(q_len)  # [B, Q]
-    kv_len = max(starts) + q_len
     keys = torch.arange(kv_len)
     allowed = keys[None, None, :] <= positions[:, :, None]  # [B, Q, kv_len]
     if window:
         allowed &= keys[None, None, :] > positions[:, :, None] - window
-    mask = allowed[:, None]  # [B, 1, Q, kv_len]
-    idx = torch.tensor(slots)
     ref = torch.nn.functional.scaled_dot_product_attention(
-        query, k_pool[idx, :, :kv_len], v_pool[idx, :, :kv_len], attn_mask=mask, enable_gqa=True
+        query, dense_k, dense_v, attn_mask=allowed[:, None], enable_gqa=True
     ).transpose(1, 2)  # [B, Q, heads, dim]
-    plan = PoolPlan("pool", plan_runs(slots, starts, q_len, pool_len), mask if (q_len > 1 or window) else None, None, None, None)
-    assert len(plan.runs) == 3  # slots 1, 2 share a run
-    ours = pool_attention(None, query, k_pool, v_pool, plan, scaling=None)
-    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    table_t = torch.zeros(batch, n_blocks, dtype=torch.int32)
+    for b, t in enumerate(tables):
+        table_t[b, : len(t)] = torch.tensor(t)
+    meta = ForwardMeta(
+        slot_mapping=torch.zeros(batch * q_len, dtype=torch.long),
+        block_tables=table_t,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        mask=allowed[:, None],
+        kv_len=kv_len,
+        q_len=q_len,
+        starts=tuple(starts),
+        first_blocks=(1, -1, -1, -1),
+        window=window,
+    )
+    impl = backends.create(backend, CPU)
+    ours = impl.forward(query, k_pool, v_pool, impl.plan(meta), dim**-0.5)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
 @torch.inference_mode()
-def test_pool_reading_update_returns_the_pools_themselves():
-    cache = SlotKVCache(num_layers=1, num_slots=4, max_len=16)
-    k = torch.randn(2, 2, 3, 8)  # [B, kv_heads, Q, dim]
-    v = torch.randn(2, 2, 3, 8)
-    positions = torch.tensor([[5, 6, 7], [0, 1, 2]])
-    cache.view = ForwardView(torch.tensor([3, 0]), positions, kv_len=8, slot_range=None, read_pool=True)
+def test_update_writes_through_the_slot_mapping_and_returns_the_pools(models):
+    config = models.pair("llama").target.config
+    cache = PagedKVCache(config, num_blocks=6, block_size=4, dtype=torch.float32, device=CPU)
+    layers, kv_heads, dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    assert len(cache.keys) == layers and cache.keys[0].shape == (7, 4, kv_heads, dim)
+    k = torch.randn(2, kv_heads, 3, dim)  # [B, kv_heads, Q, dim]
+    v = torch.randn(2, kv_heads, 3, dim)
+    tables = torch.tensor([[3, 5], [2, 0]], dtype=torch.int32)
+    # row 0 at positions 3, 4, 5 (blocks 3, 5); row 1 at 0, 1, 2 (block 2)
+    mapping = torch.tensor([3 * 4 + 3, 5 * 4 + 0, 5 * 4 + 1, 2 * 4 + 0, 2 * 4 + 1, 2 * 4 + 2])
+    cache.meta = ForwardMeta(mapping, tables, torch.tensor([6, 3], dtype=torch.int32), None, 6, 3, (3, 0), (-1, 2), None)
     keys, values = cache.update(k, v, 0)
     assert keys is cache.keys[0] and values is cache.values[0]  # no copy: the pool itself
-    torch.testing.assert_close(keys[3, :, 5:8], k[0])
-    torch.testing.assert_close(values[0, :, 0:3], v[1])
-    cache.view = ForwardView(torch.tensor([3, 0]), positions, kv_len=8, slot_range=None, read_pool=False)
-    keys, _ = cache.update(k, v, 0)  # the reference gathers each row's [0, kv_len)
-    assert keys.shape == (2, 2, 8, 8) and keys.data_ptr() != cache.keys[0].data_ptr()
+    torch.testing.assert_close(keys[3, 3], k[0, :, 0])
+    torch.testing.assert_close(keys[5, :2], k[0, :, 1:].transpose(0, 1))
+    torch.testing.assert_close(values[2, :3], v[1].transpose(0, 1))
+    cache.meta.gather = True
+    keys, _ = cache.update(k, v, 0)  # gathered for attention that is not exspec's: [B, kv_heads, kv_len, dim]
+    assert keys.shape == (2, kv_heads, 6, dim) and keys.data_ptr() != cache.keys[0].data_ptr()
+    torch.testing.assert_close(keys[0, :, 3:6], k[0])
 
 
-def test_backend_resolution():
-    cpu = torch.device("cpu")
-    assert resolve_attention(None, cpu, "exspec_sdpa") == "pool"
-    assert resolve_attention(None, torch.device("cuda"), "exspec_sdpa") == "gather"  # unmeasured on CUDA
-    assert resolve_attention("gather", cpu, "exspec_sdpa") == "gather"
-    assert resolve_attention("pool", cpu, "eager") == "gather"  # eager adds a float mask to gathered K/V
-    assert resolve_attention("auto", cpu, "exspec_sdpa") == "pool"
-    with pytest.raises(ExspecError, match="attention backend must be one of"):
-        resolve_attention("paged", cpu, "exspec_sdpa")
-    if not flash_available(torch.device("cuda")):
-        with pytest.raises(ExspecError, match="needs a CUDA device and the flash_attn package"):
-            resolve_attention("flash", cpu, "exspec_sdpa")
+def test_backend_registry_and_resolution(monkeypatch):
+    assert attention_backends() == tuple(sorted(backends.names()))  # the CLI's list is the registry's
+    assert {"reference", "sdpa", "triton"} <= set(backends.names())
+    assert backends.default_backend(CPU) == "sdpa"
+    assert resolve_attention("auto", CPU, "exspec_sdpa").name == "sdpa"
+    assert resolve_attention("reference", CPU, "exspec_sdpa").name == "reference"
+    assert resolve_attention("sdpa", CPU, "eager") is None  # eager adds a float mask to gathered K/V
+    with pytest.raises(ExspecError, match="attention backend must be auto or one of"):
+        resolve_attention("paged", CPU, "exspec_sdpa")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not backends.available_names(CPU).__contains__("triton")  # the CPU needs the interpreter
+    with pytest.raises(ExspecError, match="cannot run on cpu"):
+        resolve_attention("triton", CPU, "exspec_sdpa")
+    with pytest.raises(TypeError, match="must live in engine/backends/other.py"):
+        backends.register("other")(type("X", (backends.AttentionBackend,), {"__module__": "exspec.engine.backends.x"}))
 
 
 # ---------------------------------------------------------------------------------------------- engine level
 
 
-@pytest.mark.parametrize("backend", ALL, indirect=True)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS, indirect=True)
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
-def test_mixed_lengths_at_scattered_slots_match_target(models, arch, backend):
+def test_mixed_lengths_at_scattered_slots_and_blocks_match_target(models, arch, backend):
     engine = models.engine(arch, "noisy", attention=backend)
-    assert engine.target.attention == backend
-    # Occupy every other slot first, so the batch's slots are scattered.
+    assert engine.target.attention == engine.draft.attention == backend
+    # Occupy every other slot and a block between each first: the batch's slots and blocks are scattered.
     holders = [admit(engine, [5, 6], SamplingParams()) for _ in range(8)]
     for h in holders[::2]:
         engine.free(h.seq_id)
     params = [SamplingParams(max_tokens=m) for m in MIXED_MAX[:8]]
-    seqs, outs = run_to_end(engine, MIXED[:8], params, 3)
+    seen = []
+    seqs, outs = run_to_end(engine, MIXED[:8], params, 3,
+                            before_step=lambda e, live: seen.extend(e.blocks.first_contiguous_block(s.slot, 1) for s in live))
     assert sorted(s.slot for s in seqs) != list(range(min(s.slot for s in seqs), min(s.slot for s in seqs) + 8))
+    assert -1 in seen  # some rows' blocks are not contiguous
     assert_matches_reference(models, arch, MIXED[:8], seqs, MIXED_MAX[:8])
     assert outs[1].kind == "mixed"
 
 
-@pytest.mark.parametrize("backend", ALL, indirect=True)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS, indirect=True)
 def test_grouped_then_forced_mixed_match_target(models, backend):
     engine = models.engine("llama", "noisy", attention=backend)
     prompts = random_prompts([24] * 6, seed=61)
@@ -128,7 +160,7 @@ def test_grouped_then_forced_mixed_match_target(models, backend):
         assert a.output_token_ids == b.output_token_ids == models.reference("llama", p, 12)
 
 
-@pytest.mark.parametrize("backend", ALL, indirect=True)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS, indirect=True)
 def test_chunked_prefill_with_padding_past_the_pool_matches_target(models, backend):
     engine = models.engine("qwen3", "noisy", max_model_len=160, attention=backend)
     a, d = random_prompts([150, 120], seed=31)
@@ -144,7 +176,7 @@ def test_chunked_prefill_with_padding_past_the_pool_matches_target(models, backe
     assert sd.output_token_ids == models.reference("qwen3", d, 12)
 
 
-@pytest.mark.parametrize("backend", ALL, indirect=True)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS, indirect=True)
 def test_sliding_window_matches_target(models, backend):
     engine = models.engine("mistral", "window", attention=backend)
     prompts = MIXED[:6]
@@ -153,7 +185,7 @@ def test_sliding_window_matches_target(models, backend):
         assert seq.output_token_ids == models.reference("mistral", prompt, 12, target="window")
 
 
-@pytest.mark.parametrize("backend", ALL, indirect=True)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS, indirect=True)
 def test_stale_kv_is_never_read(models, backend):
     """Poison everything no sequence may read, before every step: outputs do not change."""
     prompts = random_prompts([1, 9, 40, 77, 3, 55], seed=51)

@@ -15,6 +15,9 @@ from tests.support.models import ARCHS, EOS, random_prompts
 
 from exspec.engine import EngineConfig, SamplingParams, SpecEngine
 
+# Every scenario runs with every attention backend that runs on the CPU (tests/engine/conftest.py).
+pytestmark = pytest.mark.usefixtures("attention_backend")
+
 # 104 prompts of 1 to 200 tokens in a scrambled order; tests take slices so references are shared.
 LENGTHS = [1 + (i * 73) % 200 for i in range(104)]
 PROMPTS = random_prompts(LENGTHS, seed=7)

@@ -21,6 +21,9 @@ from scipy.stats import chi2
 from exspec.engine import EngineConfig, ModelPair, SamplingParams, SpecEngine
 from exspec.engine.sampling import RowParams, process_probs
 
+# Every scenario runs with every attention backend that runs on the CPU (tests/engine/conftest.py).
+pytestmark = pytest.mark.usefixtures("attention_backend")
+
 V = 8  # vocabulary of the small models
 PROMPT = [1, 5, 3, 6, 2]
 N_BATCH, N_ROUNDS = 2048, 4  # 8192 samples per configuration

@@ -1,11 +1,12 @@
-"""The KV slot pools: slot bookkeeping, admission limits, and the guarantee that K/V (and tokens) past a
-sequence's valid length are never read, so rollback and slot reuse need no copying or clearing."""
+"""The paged KV: slot and block bookkeeping, admission limits, memory that follows the tokens held, the block
+table and its null block, and the guarantee that K/V (and tokens) past a sequence's valid length are never
+read, so rollback and block reuse need no copying or clearing."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from tests.support.driver import admit, run_to_end
+from tests.support.driver import admit, prefill, run_to_end, step
 from tests.support.models import EOS, random_prompts
 
 from exspec.engine import CapacityError, InvalidRequestError, SamplingParams
@@ -59,16 +60,20 @@ def test_prompts_that_can_never_run_are_rejected(models, prompt, message):
 
 @torch.inference_mode()  # the pools are inference tensors
 def _poison(engine, live, gen: torch.Generator) -> None:
-    """Overwrite everything no sequence may read: each live row's target K/V from its pending token on,
-    its draft K/V from draft_len on, its token buffer past its length; every free slot entirely. Values
-    are huge (but finite, so a masked-out key multiplied by a zero weight stays zero)."""
+    """Overwrite everything no sequence may read: in each model's pools every row but each live sequence's
+    valid positions (target: up to its pending token; draft: up to draft_len) — the null block, free blocks,
+    and the tails of owned blocks included; each token buffer past its length; every free slot entirely.
+    Values are huge (but finite, so a masked-out key multiplied by a zero weight stays zero)."""
     owned = {s.slot: s for s in live}
+    bs = engine.block_size
     for runner, bound in ((engine.target, lambda s: s.length - 1), (engine.draft, lambda s: s.draft_len)):
+        keep = torch.zeros((engine.num_blocks + 1) * bs, dtype=torch.bool)  # pool rows a live sequence reads
+        for slot, s in owned.items():
+            pos = torch.arange(bound(s))
+            keep[torch.tensor(engine.blocks.blocks(slot), dtype=torch.long)[pos // bs] * bs + pos % bs] = True
         for pool in runner.cache.keys + runner.cache.values:
-            for slot in range(pool.shape[0]):
-                start = bound(owned[slot]) if slot in owned else 0
-                junk = torch.randn(pool[slot, :, start:].shape, generator=gen) * 1e4
-                pool[slot, :, start:] = junk
+            flat = pool.view(-1, *pool.shape[2:])  # [(num_blocks + 1) * block_size, kv_heads, head_dim]
+            flat[~keep] = torch.randn(flat[~keep].shape, generator=gen) * 1e4
     for slot in range(engine.token_buf.shape[0]):
         start = owned[slot].length if slot in owned else 0
         n = engine.token_buf.shape[1] - start
@@ -105,9 +110,11 @@ def test_poisoning_valid_kv_does_change_outputs(models):
 
     @torch.inference_mode()
     def poison_valid(engine, live):
+        bs = engine.block_size
         for pool in engine.target.cache.keys + engine.target.cache.values:
             for s in live:
-                pool[s.slot, :, s.length - 2] = 1e4
+                p = s.length - 2
+                pool[engine.blocks.blocks(s.slot)[p // bs], p % bs] = 1e4
 
     bad, _ = run_to_end(models.engine("llama", "noisy"), prompts, params, 3, before_step=poison_valid)
     assert [s.output_token_ids for s in bad] != [s.output_token_ids for s in clean]
@@ -144,3 +151,117 @@ def test_sequences_reaching_max_model_len_finish_with_length(models, k):
             assert seq.finish_reason == "length" and seq.length == max_model_len
     assert seqs[-1].finish_reason == "length" and len(seqs[-1].output_token_ids) == 1  # 47 + 1 from prefill
     assert engine.num_free_slots == engine.num_slots
+
+
+# ------------------------------------------------------------------------------------------ paged blocks
+
+
+def test_block_manager_hands_out_contiguous_blocks_frees_and_reuses_them():
+    from exspec.engine.kv_cache import BlockManager
+
+    blocks = BlockManager(num_blocks=10, block_size=4, num_slots=3, max_blocks_per_seq=6, device=torch.device("cpu"))
+    assert blocks.num_free_blocks == 10 and blocks.blocks_for(9) == 3 and blocks.blocks_for(8) == 2
+    blocks.grow([(0, 3), (1, 2)])
+    assert blocks.blocks(0) == [1, 2, 3] and blocks.blocks(1) == [4, 5]  # block 0 is never handed out
+    assert blocks.block_table[0].tolist() == [1, 2, 3, 0, 0, 0]  # past the owned blocks: the null block
+    assert blocks.first_contiguous_block(0, 12) == 1 and blocks.first_contiguous_block(0, 13) == -1
+    blocks.grow([(0, 4)])  # block 4 is taken: the lowest free id, no longer contiguous
+    assert blocks.blocks(0) == [1, 2, 3, 6] and blocks.first_contiguous_block(0, 1) == -1
+    blocks.grow([(1, 3)])  # 6 is taken too: 7; then 8 right after it
+    blocks.grow([(1, 4)])
+    assert blocks.blocks(1) == [4, 5, 7, 8] and blocks.num_free_blocks == 2
+    with pytest.raises(CapacityError, match="3 KV blocks needed, 2 of 10 free"):
+        blocks.grow([(2, 1), (0, 6)])  # all or nothing
+    assert blocks.num_free_blocks == 2 and blocks.blocks(2) == [] and blocks.blocks(0) == [1, 2, 3, 6]
+    assert blocks.block_table[2].tolist() == [0] * 6
+    blocks.free(0)
+    assert blocks.num_free_blocks == 6 and blocks.block_table[0].tolist() == [0] * 6
+    blocks.grow([(2, 5)])  # lowest ids first, then the next one while free
+    assert blocks.blocks(2) == [1, 2, 3, 6, 9] and blocks.block_table[2].tolist() == [1, 2, 3, 6, 9, 0]
+    with pytest.raises(CapacityError, match="at most 6"):
+        blocks.grow([(0, 7)])
+
+
+def _engine_with_blocks(models, num_blocks: int, **overrides):
+    """An engine whose pool holds exactly num_blocks blocks (kv_cache_memory in bytes)."""
+    from exspec.engine.kv_cache import PagedKVCache
+
+    pair = models.pair("llama", overrides.pop("variant", "noisy"))
+    bs = overrides.get("block_size", 16)
+    per_block = sum(PagedKVCache.bytes_per_block(m.config, bs, torch.float32) for m in (pair.target, pair.draft))
+    engine = models.engine("llama", "noisy", kv_cache_memory=per_block * num_blocks, **overrides)
+    assert engine.num_blocks == num_blocks
+    return engine
+
+
+def test_kv_memory_follows_the_tokens_held(models):
+    """Blocks in use are the sequences' tokens rounded up to blocks, not slots x max_model_len."""
+    engine = models.engine("llama", "noisy", max_num_seqs=8, max_model_len=320)
+    assert engine.num_blocks == 8 * 20 and engine.num_free_blocks == engine.num_blocks  # capped at 8 x 320 positions
+    short = admit(engine, [5] * 5, SamplingParams(max_tokens=4))
+    assert engine.num_blocks - engine.num_free_blocks == 1
+    long = admit(engine, [6] * 100, SamplingParams(max_tokens=4))
+    assert engine.num_blocks - engine.num_free_blocks == 1 + 7
+    assert engine.blocks_needed(None, 100) == 7 and engine.blocks_needed(long.seq_id, 112) == 0
+    assert engine.blocks_needed(long.seq_id, 113) == 1 and engine.blocks_needed(short.seq_id, 400) == 19  # capped
+    engine.free(long.seq_id)
+    assert engine.num_blocks - engine.num_free_blocks == 1
+    engine.free(short.seq_id)
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_the_pool_is_sized_from_memory_and_refuses_only_a_max_model_len_one_sequence_cannot_fit(models):
+    from exspec.errors import ConfigError
+
+    engine = _engine_with_blocks(models, 20)  # exactly one sequence of 320 positions
+    assert engine.num_free_blocks == 20 and engine.block_size == 16
+    with pytest.raises(ConfigError, match=r"one sequence of max_model_len 320 needs 20 KV blocks of 16 positions .* holds 19"):
+        _engine_with_blocks(models, 19)
+    small = models.engine("llama", "noisy", kv_cache_memory=0.5)  # a fraction of the free memory, capped
+    assert small.num_blocks == 16 * 20
+
+
+def test_blocks_run_out_add_and_step_raise_capacity_error_before_any_change(models):
+    """A pool of 12 blocks of 4 positions: admission and growth fail whole, and the engine goes on exactly
+    as the target alone once blocks are freed."""
+    engine = _engine_with_blocks(models, 12, block_size=4, max_model_len=48)
+    a = admit(engine, list(range(10, 30)), SamplingParams(max_tokens=12))  # 20 tokens: 5 blocks
+    b = admit(engine, list(range(40, 57)), SamplingParams(max_tokens=12))  # 17 tokens: 5 blocks
+    assert engine.num_free_blocks == 2
+    with pytest.raises(CapacityError, match="needs 3 KV blocks, 2 of 12 are free"):
+        admit(engine, list(range(60, 70)), SamplingParams())
+    assert engine.num_free_blocks == 2 and engine.num_free_slots == engine.num_slots - 2
+    prefill(engine, [(a, 0, 20), (b, 0, 17)])
+    # a at length 21 needs blocks for 21 + 4 = 25 positions (7), b for 22 (6): 3 more than the 2 free.
+    assert engine.blocks_needed(a.seq_id, a.length + 4) == 2 and engine.blocks_needed(b.seq_id, b.length + 4) == 1
+    lengths = (engine._seqs[a.seq_id].length, engine._seqs[b.seq_id].length)
+    with pytest.raises(CapacityError):
+        step(engine, [a, b], 4)
+    assert engine.num_free_blocks == 2 and (engine._seqs[a.seq_id].length, engine._seqs[b.seq_id].length) == lengths
+    engine.free(b.seq_id)  # preempted: recomputed from its prompt later
+    while not a.finished:
+        step(engine, [a], 4)
+    engine.free(a.seq_id)
+    assert engine.num_free_blocks == 12
+    (b2,), _ = run_to_end(engine, [list(range(40, 57))], SamplingParams(max_tokens=12), 4)
+    assert a.output_token_ids == models.reference("llama", list(range(10, 30)), 12)
+    assert b2.output_token_ids == models.reference("llama", list(range(40, 57)), 12)
+
+
+@pytest.mark.parametrize("variant", ["noisy", "disagree", "same"])
+def test_rollback_across_block_boundaries_and_growth_over_many_blocks(models, variant):
+    """Blocks of 4 positions, k = 5: every step's drafts cross a block boundary and rejected ones are rolled
+    back by not advancing; each sequence grows over a dozen blocks, fragmented among its batchmates'."""
+    engine = models.engine("llama", variant, block_size=4)
+    prompts = random_prompts([3, 9, 17, 30], seed=55)
+    seqs, outs = run_to_end(engine, prompts, SamplingParams(max_tokens=48, ignore_eos=True), 5, free=False)
+    for prompt, seq in zip(prompts, seqs):
+        assert seq.output_token_ids == models.reference("llama", prompt, 48, eos_token_ids=())
+        blocks = engine.blocks.blocks(seq.slot)
+        assert len(blocks) >= -(-seq.length // 4) and len(blocks) >= 12 and 0 not in blocks
+        table = engine.blocks.block_table[seq.slot].tolist()
+        assert table[: len(blocks)] == blocks and set(table[len(blocks) :]) <= {0}
+    assert len({b for s in seqs for b in engine.blocks.blocks(s.slot)}) == sum(len(engine.blocks.blocks(s.slot)) for s in seqs)
+    for seq in seqs:
+        engine.free(seq.seq_id)
+    assert engine.num_free_blocks == engine.num_blocks and int(engine.blocks.block_table.abs().sum()) == 0

@@ -1,0 +1,91 @@
+"""Attention backends: one small interface, one file each, registered by name.
+
+A backend reads the paged pools (engine/kv_cache.py) in its own way. The runner builds a `ForwardMeta`
+once per forward (slot mapping, block tables, seq_lens, the mask when the backend asks for one), the backend
+turns it into its `plan` once per forward, and every layer then calls `forward` with its own pools. The
+K/V of the forward are already written into the pools when `forward` runs.
+
+To add a backend: a file here with a class decorated `@register("name")`, imported at the bottom of this
+file. `--attention-backend` lists `names()`; "auto" resolves with `default_backend(device)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from exspec.config import ATTENTION_DEFAULT
+from exspec.engine.kv_cache import ForwardMeta
+
+AUTO = "auto"
+
+
+class AttentionBackend:
+    """name, availability on a device, a plan per forward, a forward per layer."""
+
+    name: ClassVar[str]
+    needs_mask: ClassVar[bool] = True  # the runner builds ForwardMeta.mask ([1 or B, 1, Q, kv_len] bool)
+
+    @classmethod
+    def available(cls, device: torch.device) -> bool:
+        return True
+
+    def plan(self, meta: ForwardMeta) -> Any:
+        """Whatever `forward` needs beyond the pools, built once per forward (shared by every layer)."""
+        return meta
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [B, heads, Q, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks + 1, block_size, kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks + 1, block_size, kv_heads, head_dim]
+        plan: Any,
+        scale: float | None,
+    ) -> torch.Tensor:  # [B, Q, heads, head_dim]
+        raise NotImplementedError
+
+
+_REGISTRY: dict[str, type[AttentionBackend]] = {}
+
+
+def register(name: str):
+    def wrap(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+        if cls.__module__.rsplit(".", 1)[-1] != name:  # exspec.config.attention_backends() lists the files
+            raise TypeError(f"backend {name!r} must live in engine/backends/{name}.py, not {cls.__module__}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def names() -> tuple[str, ...]:
+    """Every registered backend, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def available_names(device: torch.device) -> tuple[str, ...]:
+    return tuple(n for n, cls in _REGISTRY.items() if cls.available(device))
+
+
+def default_backend(device: torch.device) -> str:
+    """exspec.config.ATTENTION_DEFAULT for the device type (`triton` on CUDA, `sdpa` on the CPU: measured
+    fastest there, docs/BENCHMARKS.md), `reference` where that one cannot run."""
+    preferred = ATTENTION_DEFAULT.get(device.type, "reference")
+    return preferred if _REGISTRY[preferred].available(device) else "reference"
+
+
+def create(name: str, device: torch.device) -> AttentionBackend:
+    """The backend `name` ("auto": the device's default). Raises ValueError naming the choices."""
+    if name == AUTO:
+        name = default_backend(device)
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(f"attention backend must be {AUTO} or one of {list(_REGISTRY)}, got {name!r}")
+    if not cls.available(device):
+        raise ValueError(f"attention backend {name!r} cannot run on {device.type} here ({cls.__doc__.splitlines()[0]})")
+    return cls()
+
+
+from exspec.engine.backends import reference, sdpa, triton  # noqa: E402,F401  (registers them)

@@ -1,0 +1,40 @@
+"""`triton`: the paged attention kernel (engine/kernels/paged_attention.py) over the block tables: each row its
+own length and causal offset, grouped-query heads, sliding window. The CUDA default. On the CPU it runs only
+under the Triton interpreter (`TRITON_INTERPRET=1`, for tests). `triton` is imported lazily: exspec itself
+never needs it."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import replace
+
+import torch
+
+from exspec.engine.backends import AttentionBackend, register
+from exspec.engine.kv_cache import ForwardMeta
+
+
+@register("triton")
+class TritonBackend(AttentionBackend):
+    """needs the triton package, and CUDA or TRITON_INTERPRET=1"""
+
+    needs_mask = False  # the kernel masks by position itself
+
+    @classmethod
+    def available(cls, device: torch.device) -> bool:
+        if importlib.util.find_spec("triton") is None:
+            return False
+        return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+    def __init__(self) -> None:
+        from exspec.engine.kernels.paged_attention import paged_attention
+
+        self._kernel = paged_attention
+
+    def plan(self, meta: ForwardMeta) -> ForwardMeta:
+        return replace(meta, block_tables=meta.block_tables.contiguous())  # [B, n_blocks]: rows at a plain stride
+
+    def forward(self, query, k_cache, v_cache, plan: ForwardMeta, scale):
+        scale = scale if scale is not None else query.shape[-1] ** -0.5
+        return self._kernel(query, k_cache, v_cache, plan.block_tables, plan.seq_lens, scale, window=plan.window)
