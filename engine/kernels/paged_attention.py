@@ -22,6 +22,11 @@ share the kv head, so each key tile is loaded once for the whole group (decode t
 heads instead of queries). Keys are gathered per key through the block table, so any block size works; the key loop
 stops at the tile's last query position (causal) and starts at its first query's window (sliding window).
 
+A decode launch with few programs (small B x kv_heads) cannot fill a GPU, so there the keys of each program are split
+in NUM_SPLITS ranges (flash-decoding, Dao et al. 2023): each range's program stores its unnormalised (acc, m, l) and a
+second kernel merges them, out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M) with M = max_s m_s. The number of
+splits follows from shapes only (the block table's width, the GPU's size), never from the lengths on the device.
+
 `triton` is imported on the first call, never by this module's import (exspec runs without it). On CPU tensors the
 kernel runs under Triton's interpreter, which must be switched on (`TRITON_INTERPRET=1`) before the first call (Triton
 reads it when a kernel is defined; tests/conftest.py sets it when there is no CUDA, before anything imports triton). `paged_attention_reference` is the same function in plain PyTorch (a dense gather and a masked
@@ -76,7 +81,8 @@ def _kernel():
         v_ptr,  # [num_blocks + 1, block_size, kv_heads, head_dim]
         bt_ptr,  # [B, max_blocks] block tables
         lens_ptr,  # [B] keys per row after this forward's write (0: padding row)
-        o_ptr,  # [B, Q, heads, head_dim], any strides
+        o_ptr,  # [B, Q, heads, head_dim], any strides (NUM_SPLITS == 1)
+        part_ptr,  # [B, Q, heads, NUM_SPLITS, head_dim + 2] fp32: each split's acc, m, l (NUM_SPLITS > 1)
         scale_log2,  # scale * log2(e)
         q_len,  # Q
         window,  # sliding window (read only when HAS_WINDOW)
@@ -95,10 +101,12 @@ def _kernel():
         BLOCK_N: tl.constexpr,  # keys per inner step
         HAS_WINDOW: tl.constexpr,
         IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dot products (no TF32)
+        NUM_SPLITS: tl.constexpr,  # > 1: the keys are split in NUM_SPLITS ranges, one program each (flash-decoding)
     ):
         tile = tl.program_id(0)
         b = tl.program_id(1)
-        kvh = tl.program_id(2)
+        kvh = tl.program_id(2) // NUM_SPLITS
+        split = tl.program_id(2) % NUM_SPLITS
         seq_len = tl.load(lens_ptr + b)
 
         rows = tl.arange(0, BLOCK_M)  # [BLOCK_M]: row r is query tile * BLOCK_Q + r // GROUP, head kvh * GROUP + r % GROUP
@@ -122,6 +130,10 @@ def _kernel():
         lo = 0
         if HAS_WINDOW:
             lo = tl.maximum(seq_len - q_len + first_q - window + 1, 0)
+        if NUM_SPLITS > 1:  # this program's share: a whole number of key tiles (none when the row is short)
+            per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+            lo = lo + split * per_split
+            hi = tl.minimum(hi, lo + per_split)
 
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # running max (finite: a row with nothing visible stays NaN-free)
         l_i = tl.zeros([BLOCK_M], tl.float32)  # running denominator
@@ -163,15 +175,52 @@ def _kernel():
             acc = acc * alpha[:, None] + pv  # [BLOCK_M, BLOCK_D]
             m_i = m_new
 
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # padding rows: acc is 0, so the output is 0
-        o = acc / l_safe[:, None]  # [BLOCK_M, BLOCK_D]
-        tl.store(
-            o_ptr + b * s_ob + q_idx[:, None] * s_oq + head[:, None] * s_oh + d[None, :] * s_od,
-            o.to(o_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & d_ok[None, :],
-        )
+        if NUM_SPLITS == 1:
+            l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # padding rows: acc is 0, so the output is 0
+            o = acc / l_safe[:, None]  # [BLOCK_M, BLOCK_D]
+            tl.store(
+                o_ptr + b * s_ob + q_idx[:, None] * s_oq + head[:, None] * s_oh + d[None, :] * s_od,
+                o.to(o_ptr.dtype.element_ty),
+                mask=row_ok[:, None] & d_ok[None, :],
+            )
+        else:  # unnormalised: merge_splits rescales every split to the common maximum
+            num_heads = GROUP * (tl.num_programs(2) // NUM_SPLITS)
+            record = ((b * q_len + q_idx) * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M]
+            part = part_ptr + record.to(tl.int64) * (HEAD_DIM + 2)  # [BLOCK_M] each row's acc, then m, l
+            tl.store(part[:, None] + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+            tl.store(part + HEAD_DIM, m_i, mask=row_ok)
+            tl.store(part + HEAD_DIM + 1, l_i, mask=row_ok)
 
-    return paged_attention_kernel
+    @triton.jit
+    def merge_splits_kernel(
+        part_ptr,  # [B, Q, heads, NUM_SPLITS, head_dim + 2] fp32
+        o_ptr,  # [B, Q, heads, head_dim], any strides
+        q_len,
+        heads,
+        s_ob, s_oq, s_oh, s_od,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        BLOCK_S: tl.constexpr,  # NUM_SPLITS rounded up to a power of two
+    ):
+        """One program per (row, query, head): out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), M = max_s m_s."""
+        bqh = tl.program_id(0)  # (b * Q + i) * heads + h
+        h = bqh % heads
+        b = bqh // heads // q_len
+        i = bqh // heads % q_len
+        sp = tl.arange(0, BLOCK_S)  # [BLOCK_S]
+        d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+        s_ok = sp < NUM_SPLITS
+        rec = part_ptr + (bqh.to(tl.int64) * NUM_SPLITS + sp) * (HEAD_DIM + 2)  # [BLOCK_S]
+        m = tl.load(rec + HEAD_DIM, mask=s_ok, other=-1.0e30)  # [BLOCK_S]
+        l = tl.load(rec + HEAD_DIM + 1, mask=s_ok, other=0.0)  # [BLOCK_S]
+        acc = tl.load(rec[:, None] + d[None, :], mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)  # [BLOCK_S, BLOCK_D]
+        w = tl.exp2(m - tl.max(m, 0))  # [BLOCK_S]
+        total = tl.sum(l * w, 0)
+        o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)  # [BLOCK_D]
+        tl.store(o_ptr + b * s_ob + i * s_oq + h * s_oh + d * s_od, o.to(o_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+    return paged_attention_kernel, merge_splits_kernel
 
 
 def _tiles(q_len: int, group: int, head_dim: int, on_gpu: bool) -> tuple[int, int, int, int]:
@@ -181,6 +230,21 @@ def _tiles(q_len: int, group: int, head_dim: int, on_gpu: bool) -> tuple[int, in
     block_q = block_m // group
     block_n = 64 if on_gpu and block_d <= 64 else 32
     return block_m, block_q, block_n, block_d
+
+
+def _num_splits(programs: int, capacity: int, block_n: int, device: torch.device) -> int:
+    """Key ranges per (query tile, row, kv head) so that a small decode batch still fills the GPU: about two programs
+    per multiprocessor, each over at least 4 key tiles of the block table's capacity. Shapes only (no host sync).
+    1 off CUDA: the interpreter gains nothing from it."""
+    if device.type != "cuda" or programs >= _multiprocessors(device):
+        return 1
+    wanted = -(-2 * _multiprocessors(device) // programs)
+    return max(1, min(wanted, capacity // (4 * block_n), 16))
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check(query, k_cache, v_cache, block_tables, seq_lens, window, out) -> None:
@@ -230,16 +294,26 @@ def paged_attention(
         raise RuntimeError("paged_attention: CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before importing triton)")
     group = heads // kv_heads
     block_m, block_q, block_n, block_d = _tiles(q_len, group, head_dim, query.device.type == "cuda")
-    grid = ((q_len + block_q - 1) // block_q, batch, kv_heads)
-    _kernel()[grid](
-        query, k_cache, v_cache, block_tables, seq_lens, out,
+    q_tiles = (q_len + block_q - 1) // block_q
+    splits = _num_splits(q_tiles * batch * kv_heads, block_tables.shape[1] * block_size, block_n, query.device)
+    # [B, Q, heads, splits, head_dim + 2] fp32: per split its acc, m and l (a dummy when not split)
+    parts = torch.empty((batch, q_len, heads, splits, head_dim + 2) if splits > 1 else (1,), device=query.device, dtype=torch.float32)
+    attention, merge = _kernel()
+    attention[(q_tiles, batch, kv_heads * splits)](
+        query, k_cache, v_cache, block_tables, seq_lens, out, parts,
         scale * _LOG2E, q_len, window or 0, block_tables.shape[1],
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, KV_BLOCK=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-        HAS_WINDOW=window is not None, IEEE=query.dtype == torch.float32,
+        HAS_WINDOW=window is not None, IEEE=query.dtype == torch.float32, NUM_SPLITS=splits,
         num_warps=4,
     )
+    if splits > 1:
+        merge[(batch * q_len * heads,)](
+            parts, out, q_len, heads, *out.stride(),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=_next_pow2(splits),
+            num_warps=1,
+        )
     return out
 
 

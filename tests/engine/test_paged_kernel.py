@@ -10,6 +10,7 @@ any of it returns NaN.
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -19,6 +20,8 @@ import pytest
 import torch
 
 from exspec.engine.kernels import available, paged_attention, paged_attention_reference
+
+kernel_module = importlib.import_module("exspec.engine.kernels.paged_attention")  # the package re-exports the function
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_kernel = pytest.mark.skipif(not available(), reason="needs triton, and CUDA or TRITON_INTERPRET=1")
@@ -168,6 +171,17 @@ def test_prefill_chunk_spans_blocks_and_query_tiles(dtype, window):
     """A 40-query chunk with 8 heads on 2 kv heads: 16 queries per program, so three query tiles, each over several
     key tiles and KV blocks; one row starts at 0 (a first chunk), one at 23 (a later chunk)."""
     case = make_case([40, 63, 0], q_len=40, heads=8, kv_heads=2, head_dim=16, block_size=16, dtype=dtype, seed=2)
+    assert_kernel_matches(case, window)
+
+
+@needs_kernel
+@pytest.mark.parametrize("splits", [2, 5])
+@pytest.mark.parametrize(("q_len", "window"), [(1, None), (5, None), (5, 40)])
+def test_split_keys_merge_to_the_same_output(monkeypatch, splits, q_len, window):
+    """Flash-decoding (the GPU's choice at small batches, forced here): each program takes a share of a row's keys and a
+    second kernel merges the shares; the short row leaves some shares empty, the padding row all of them."""
+    monkeypatch.setattr(kernel_module, "_num_splits", lambda *args: splits)
+    case = make_case([7, 0, 45], q_len=q_len, heads=6, kv_heads=2, head_dim=24, dtype=torch.float32, seed=5)
     assert_kernel_matches(case, window)
 
 
