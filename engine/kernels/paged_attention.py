@@ -351,3 +351,26 @@ def paged_attention_reference(
         return result
     out.copy_(result)
     return out
+
+
+@torch.library.custom_op("exspec::paged_attention", mutates_args=("out",))
+def paged_attention_op(
+    query: torch.Tensor,  # [B, heads, Q, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks + 1, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks + 1, block_size, kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    seq_lens: torch.Tensor,  # [B]
+    scale: float,
+    window: int | None,
+    out: torch.Tensor,  # [B, Q, heads, head_dim], written
+) -> None:
+    """`paged_attention` into `out` as one opaque PyTorch operator (`torch.ops.exspec.paged_attention`), for forwards
+    under `torch.compile(fullgraph=True)`: Dynamo cannot trace the launch itself under Triton's interpreter (and
+    needs not look inside it on CUDA). Eager callers should call `paged_attention`: the operator's dispatch costs more
+    than the launch at decode sizes."""
+    paged_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, window, out)
+
+
+@paged_attention_op.register_fake
+def _(query, k_cache, v_cache, block_tables, seq_lens, scale, window, out) -> None:
+    return None

@@ -212,6 +212,20 @@ def test_all_padding_batch_gives_zeros():
     assert (run_kernel(case) == 0).all()
 
 
+@needs_kernel
+def test_operator_form_compiles_without_graph_breaks():
+    """`torch.ops.exspec.paged_attention` writes `out` inside a `fullgraph=True` region (a graph break would raise)."""
+    case = make_case([9, 21], q_len=3, seed=6)
+
+    def forward(query):  # [B, heads, Q, D] -> [B, Q, heads, D]
+        out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+        torch.ops.exspec.paged_attention(query * 1.0, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale, 4, out)
+        return out * 2.0
+
+    compiled = torch.compile(forward, fullgraph=True, dynamic=False, backend="aot_eager")
+    torch.testing.assert_close(compiled(case.query), 2.0 * run_reference(case, 4), **TOL[torch.float32])
+
+
 def test_bad_shapes_and_dtypes_are_value_errors():
     case = make_case([5], q_len=1)
     with pytest.raises(ValueError, match="share a dtype"):
