@@ -111,7 +111,8 @@ def assert_kernel_matches(case: Case, window: int | None = None) -> torch.Tensor
 
 
 def loop_reference(case: Case, window: int | None) -> torch.Tensor:
-    """One SDPA call per (row, query) over keys gathered one by one through the block table."""
+    """One SDPA call per (row, query) over keys gathered one by one through the block table (on the CPU)."""
+    case = Case(*(x.cpu() if isinstance(x, torch.Tensor) else x for x in vars(case).values()))
     batch, heads, q_len, head_dim = case.query.shape
     block_size, kv_heads = case.k_cache.shape[1], case.k_cache.shape[2]
     out = torch.zeros(batch, q_len, heads, head_dim)
