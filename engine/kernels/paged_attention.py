@@ -49,19 +49,28 @@ def _interpreting() -> bool:
 
 
 @functools.cache
-def _triton_importable() -> bool:
+def _triton_version() -> tuple[int, ...] | None:
+    """triton's (major, minor), or None when it does not import."""
     try:
-        import triton  # noqa: F401
+        import triton
         import triton.language  # noqa: F401
     except ImportError:
-        return False
-    return True
+        return None
+    return tuple(int(part) for part in triton.__version__.split(".")[:2])
+
+
+# Triton 3.6's interpreter (with numpy 2.4) cannot take a loaded value as a loop bound; 3.7 to 3.9 run the kernel.
+# Compiled for a GPU, 3.6 works (the GPU machines' version).
+_MIN_INTERPRETER_VERSION = (3, 7)
 
 
 def available() -> bool:
-    """True when the kernel can run on this machine: triton imports, and there is a CUDA device or Triton's
-    interpreter is on (CPU tensors)."""
-    return _triton_importable() and (torch.cuda.is_available() or _interpreting())
+    """True when the kernel can run on this machine: triton imports, and there is a CUDA device, or Triton's
+    interpreter is on (CPU tensors) and recent enough."""
+    version = _triton_version()
+    if version is None:
+        return False
+    return torch.cuda.is_available() or (_interpreting() and version >= _MIN_INTERPRETER_VERSION)
 
 
 def _next_pow2(n: int) -> int:
@@ -127,6 +136,7 @@ def _kernel():
         first_q = tile * BLOCK_Q
         last_q = tl.minimum(first_q + BLOCK_Q, q_len) - 1
         hi = seq_len - q_len + last_q + 1  # <= seq_len; <= 0 for a padding row (no iteration)
+        hi = tl.minimum(hi, max_blocks * KV_BLOCK)  # never read past the block table (a length beyond it is a bug upstream)
         lo = 0
         if HAS_WINDOW:
             lo = tl.maximum(seq_len - q_len + first_q - window + 1, 0)

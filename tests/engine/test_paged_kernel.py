@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from exspec.engine.kernels import available, paged_attention, paged_attention_re
 
 kernel_module = importlib.import_module("exspec.engine.kernels.paged_attention")  # the package re-exports the function
 
+ROOT = Path(__file__).resolve().parents[2]
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_kernel = pytest.mark.skipif(not available(), reason="needs triton, and CUDA or TRITON_INTERPRET=1")
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1.5e-3, rtol=1.5e-3), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -225,6 +227,26 @@ def test_operator_form_compiles_without_graph_breaks():
 
     compiled = torch.compile(forward, fullgraph=True, dynamic=False, backend="aot_eager")
     torch.testing.assert_close(compiled(case.query), 2.0 * run_reference(case, 4), **TOL[torch.float32])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not available(), reason="needs CUDA and triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("q_len", "window"), [(1, None), (5, None), (5, 64), (200, None)])
+def test_cuda_compiled_kernel_with_its_own_splits(dtype, q_len, window):
+    """The compiled kernel on the GPU, with the split count it picks itself (decode at B = 2 over a 1500-key capacity
+    splits its keys on any recent GPU), over 8B-shaped heads (32 on 8, head_dim 128) and a 16-position block."""
+    case = make_case([1500, 37], q_len=q_len, heads=32, kv_heads=8, head_dim=128, block_size=16, dtype=dtype, seed=7)
+    if q_len == 1:
+        assert kernel_module._num_splits(2 * 8, 1504, 64, DEVICE) > 1
+    assert_kernel_matches(case, window)
+
+
+def test_bench_script_refuses_cleanly_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the script would run")
+    result = subprocess.run([sys.executable, "scripts/bench_paged_kernel.py"], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr
 
 
 def test_bad_shapes_and_dtypes_are_value_errors():
