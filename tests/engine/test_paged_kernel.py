@@ -242,6 +242,48 @@ def test_cuda_compiled_kernel_with_its_own_splits(dtype, q_len, window):
     assert_kernel_matches(case, window)
 
 
+_COMPILE_FOR_H100 = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("paged_attention", sys.argv[1])  # the module alone: torch, no exspec
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+attention, merge = module._kernel()
+for dtype, q_len, group, head_dim, window, splits in [("bf16", 1, 4, 128, False, 4), ("fp32", 5, 3, 80, True, 1)]:
+    block_m, block_q, block_n, block_d = module._tiles(q_len, group, head_dim, True)
+    consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, KV_BLOCK=16, BLOCK_M=block_m, BLOCK_Q=block_q,
+                  BLOCK_N=block_n, HAS_WINDOW=window, IEEE=dtype == "fp32", NUM_SPLITS=splits)
+    sig = {name: "i32" for name in attention.arg_names}
+    sig.update({name: "*" + dtype for name in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")})
+    sig.update(bt_ptr="*i32", lens_ptr="*i32", part_ptr="*fp32", scale_log2="fp32", **{k: "constexpr" for k in consts})
+    triton.compile(ASTSource(attention, sig, consts), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=4, BLOCK_S=4)
+    sig = {name: "i32" for name in merge.arg_names}
+    sig.update(part_ptr="*fp32", o_ptr="*" + dtype, **{k: "constexpr" for k in consts})
+    triton.compile(ASTSource(merge, sig, consts), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the compiled kernel itself (test_cuda_compiled_...)")
+def test_kernels_compile_for_an_h100_without_one():
+    """What the interpreter cannot show: the kernels lower to an sm_90 binary (Triton's own ptxas, no GPU needed), a
+    bf16 decode with split keys plus the merge, and an fp32 verify with a window and a non-power-of-two head_dim."""
+    try:
+        from triton.backends import backends
+    except ImportError:
+        pytest.skip("triton is not installed")
+    if "nvidia" not in backends:
+        pytest.skip("this triton has no NVIDIA backend")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}  # compile, do not interpret
+    source = ROOT / "engine" / "kernels" / "paged_attention.py"
+    result = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H100, str(source)], capture_output=True, text=True, env=env)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+
+
 def test_bench_script_refuses_cleanly_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the script would run")
