@@ -3,8 +3,15 @@ modifyitems), so `pytest -m "not models"` runs the model-free ones in seconds.""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Triton kernels run on CPU tensors through Triton's interpreter, which is read when triton is first imported: switch
+# it on here, before any test module imports triton, and only without CUDA (a GPU run compiles the real kernels).
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 from tests.support.models import Models
 

@@ -5,7 +5,6 @@ never needs it."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import replace
 
@@ -23,9 +22,10 @@ class TritonBackend(AttentionBackend):
 
     @classmethod
     def available(cls, device: torch.device) -> bool:
-        if importlib.util.find_spec("triton") is None:
-            return False
-        return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        from exspec.engine.kernels.paged_attention import available
+
+        # triton imports, and CUDA, or CPU tensors under a recent enough interpreter (TRITON_INTERPRET=1)
+        return available() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
     def __init__(self) -> None:
         from exspec.engine.kernels.paged_attention import paged_attention
