@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 if TYPE_CHECKING:
     from exspec.scheduler.types import RequestOutput, StepStats
@@ -24,6 +25,8 @@ EXSPEC_METRIC_NAMES: tuple[str, ...] = (
     "exspec_num_requests_running",
     "exspec_num_requests_waiting",
     "exspec_kv_slots_used_ratio",
+    "exspec_kv_cache_usage_perc",
+    "exspec_num_preemptions_total",
     "exspec_prompt_tokens_total",
     "exspec_generation_tokens_total",
     "exspec_request_success_total",
@@ -45,6 +48,7 @@ VLLM_METRIC_NAMES: tuple[str, ...] = (
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
     "vllm:kv_cache_usage_perc",
+    "vllm:num_preemptions_total",
     "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total",
     "vllm:request_success_total",
@@ -115,6 +119,32 @@ class _Twin:
             series.set_function(fn)
 
 
+class _ScrapedCounterTwin:
+    """A counter the scheduler keeps itself (a monotonic count), read at scrape time and exported under both
+    names; a collector, since prometheus-client's Counter cannot read a function."""
+
+    def __init__(self, registry: CollectorRegistry, name: str, vllm_name: str, doc: str, vllm_doc: str,
+                 base: dict[str, str]) -> None:
+        self._names, self._docs, self._base = (name, vllm_name), (doc, vllm_doc), base
+        self._fn = lambda: 0
+        registry.register(self)
+
+    def set_function(self, fn) -> None:
+        self._fn = fn
+
+    def describe(self):
+        return self._families(0)
+
+    def collect(self):
+        return self._families(self._fn())
+
+    def _families(self, value: float):
+        own = CounterMetricFamily(self._names[0], self._docs[0], value=value)
+        vllm = CounterMetricFamily(self._names[1], self._docs[1], labels=VLLM_LABELS)
+        vllm.add_metric([self._base[label] for label in VLLM_LABELS], value)
+        return [own, vllm]
+
+
 class _LabelledTwin:
     """A `_Twin` with labels of its own (finished_reason, position): `.labels(...)` gives the twin series."""
 
@@ -151,8 +181,12 @@ class ServerMetrics:
                                 "Requests in the running pool", "Requests in the running pool (vLLM's name)")
         self.num_waiting = twin(Gauge, "exspec_num_requests_waiting", "vllm:num_requests_waiting",
                                 "Requests queued before admission", "Requests queued before admission (vLLM's name)")
-        self.kv_used = twin(Gauge, "exspec_kv_slots_used_ratio", "vllm:kv_cache_usage_perc",
-                            "Fraction of KV slots in use (0..1)", "Fraction of KV slots in use, 0..1 (vLLM's name)")
+        self.kv_usage = twin(Gauge, "exspec_kv_cache_usage_perc", "vllm:kv_cache_usage_perc",
+                             "Fraction of KV cache blocks in use (0..1)",
+                             "Fraction of KV cache blocks in use, 0..1 (vLLM's name)")
+        self.preemptions = _ScrapedCounterTwin(r, "exspec_num_preemptions", "vllm:num_preemptions",
+                                               "Running sequences preempted (KV blocks freed, recomputed later)",
+                                               "Cumulative number of preemptions (vLLM's name)", base)
         self.prompt_tokens = twin(Counter, "exspec_prompt_tokens", "vllm:prompt_tokens", "Prompt tokens prefilled",
                                   "Prompt tokens prefilled (vLLM's name)")
         self.generation_tokens = twin(Counter, "exspec_generation_tokens", "vllm:generation_tokens",
@@ -187,6 +221,7 @@ class ServerMetrics:
                                own_buckets=_LATENCY_BUCKETS, vllm_buckets=_VLLM_REQUEST_BUCKETS)
 
         # --- exspec only
+        self.kv_slots = Gauge("exspec_kv_slots_used_ratio", "Fraction of sequence slots in use (0..1)", registry=r)
         self.itl = Histogram(
             "exspec_inter_token_latency_seconds",
             "Time per output token after the first (a delta of n tokens counts n times its gap / n)",
@@ -239,7 +274,9 @@ class ServerMetrics:
         """Gauges read the scheduler at scrape time; step metrics come from its step listener."""
         self.num_running.set_function(lambda: scheduler.num_running)
         self.num_waiting.set_function(lambda: scheduler.num_waiting)
-        self.kv_used.set_function(lambda: scheduler.kv_slots_used_ratio)
+        self.kv_slots.set_function(lambda: scheduler.kv_slots_used_ratio)
+        self.kv_usage.set_function(lambda: scheduler.kv_cache_usage_perc)
+        self.preemptions.set_function(lambda: scheduler.num_preemptions)
         scheduler.add_step_listener(self.observe_step)
 
     def observe_step(self, stats: StepStats) -> None:

@@ -27,6 +27,7 @@ VLLM_TYPES = {
     "vllm:num_requests_running": "gauge",
     "vllm:num_requests_waiting": "gauge",
     "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:num_preemptions_total": "counter",
     "vllm:prompt_tokens_total": "counter",
     "vllm:generation_tokens_total": "counter",
     "vllm:request_success_total": "counter",
@@ -74,6 +75,7 @@ TWINS = {
     "vllm:e2e_request_latency_seconds_count": "exspec_e2e_request_latency_seconds_count",
     "vllm:e2e_request_latency_seconds_sum": "exspec_e2e_request_latency_seconds_sum",
     "vllm:request_queue_time_seconds_count": "exspec_request_queue_time_seconds_count",
+    "vllm:num_preemptions_total": "exspec_num_preemptions_total",
 }
 VLLM_LABELS = {"model_name": SERVED, "engine": "0"}
 
@@ -191,7 +193,8 @@ def test_vllm_counters_and_histograms_move_with_traffic(srv, client):
     for vllm_name, own in TWINS.items():
         assert moved(vllm_name) == pytest.approx(moved(own)), vllm_name
     assert after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0
-    assert after["vllm:kv_cache_usage_perc"] == 0
+    assert after["vllm:kv_cache_usage_perc"] == after["exspec_kv_cache_usage_perc"] == 0
+    assert after["vllm:num_preemptions_total"] == after["exspec_num_preemptions_total"] == 0  # blocks to spare
 
 
 def test_vllm_bench_serve_reads_the_spec_decode_counters(srv, client):
