@@ -55,6 +55,21 @@ def test_admission_waits_for_a_prompts_blocks_in_fifo_order():
     assert core.num_preemptions == 0 and eng.num_free_blocks == eng.num_blocks
 
 
+def test_admission_leaves_the_blocks_admitted_sequences_need_next():
+    """Admitting must not force a preemption at the very next step: the block request 0 needs to write its
+    pending token stays free, so request 1 waits instead of being admitted and preempted at once."""
+    eng = FakeEngine(block_size=4, num_blocks=3)
+    core = SchedulerCore(eng, fixed())
+    core.add(req(0, prompt_len=4, max_tokens=3))  # 1 block; its first step writes position 4: a 2nd block
+    core.step()
+    core.add(req(1, prompt_len=8, max_tokens=3))  # 2 blocks: free, but one of them is request 0's next
+    core.step()
+    assert [r.request_id for r in core.waiting] == ["1"]
+    deltas = run_all(core)
+    assert core.num_preemptions == 0
+    assert [d.completion_tokens for _, d in deltas if d.finished] == [3, 3]
+
+
 def test_blocks_in_use_follow_the_tokens_held():
     eng = FakeEngine(num_slots=8, block_size=16, num_blocks=64)
     core = SchedulerCore(eng, fixed(k=3, pool=8))
