@@ -122,11 +122,6 @@ class AsyncScheduler:
         """Fraction of the KV blocks held by sequences, 0..1 (vLLM's name, and like vLLM's a fraction)."""
         return self._core.kv_cache_usage
 
-    @property
-    def num_preemptions(self) -> int:
-        """Running sequences preempted (freed, to be recomputed) since start."""
-        return self._core.num_preemptions
-
     def add_step_listener(self, fn: Callable[[StepStats], None]) -> None:
         self._listeners.append(fn)
 

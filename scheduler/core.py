@@ -108,6 +108,7 @@ class SchedulerCore:
         self._pending: list[Delta] = []  # deltas of requests that failed outside a step's results
         self.num_left_waiting = 0  # requests that left `waiting` (admitted or aborted): monotonic
         self.num_preemptions = 0  # running sequences sent back to `waiting` to be recomputed: monotonic
+        self._unreported_preemptions = 0  # not yet in a StepStats
         self._seed_rng = random.Random(0)  # seeds of sampled requests that gave none (kept across preemptions)
 
     # ------------------------------------------------------------------ queue
@@ -339,6 +340,7 @@ class SchedulerCore:
         req.waited = 0
         self.waiting.appendleft(req)  # victims go newest first, so the oldest ends at the head
         self.num_preemptions += 1
+        self._unreported_preemptions += 1
         log.debug("preempted request %s at %d tokens", req.request_id, req.length)
 
     def _run_isolated(
@@ -415,6 +417,7 @@ class SchedulerCore:
         )
 
     def _stats(self, out: StepOutput, schedule_s: float, prompt_tokens: int, num_tokens: int) -> StepStats:
+        preempted, self._unreported_preemptions = self._unreported_preemptions, 0
         return StepStats(
             kind=out.kind,
             batch_size=out.batch_size,
@@ -427,6 +430,7 @@ class SchedulerCore:
             schedule_s=schedule_s,
             draft_s=out.draft_s,
             verify_s=out.verify_s,
+            num_preemptions=preempted,
         )
 
 

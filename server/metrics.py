@@ -15,7 +15,6 @@ import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
 
 if TYPE_CHECKING:
     from exspec.scheduler.types import RequestOutput, StepStats
@@ -119,32 +118,6 @@ class _Twin:
             series.set_function(fn)
 
 
-class _ScrapedCounterTwin:
-    """A counter the scheduler keeps itself (a monotonic count), read at scrape time and exported under both
-    names; a collector, since prometheus-client's Counter cannot read a function."""
-
-    def __init__(self, registry: CollectorRegistry, name: str, vllm_name: str, doc: str, vllm_doc: str,
-                 base: dict[str, str]) -> None:
-        self._names, self._docs, self._base = (name, vllm_name), (doc, vllm_doc), base
-        self._fn = lambda: 0
-        registry.register(self)
-
-    def set_function(self, fn) -> None:
-        self._fn = fn
-
-    def describe(self):
-        return self._families(0)
-
-    def collect(self):
-        return self._families(self._fn())
-
-    def _families(self, value: float):
-        own = CounterMetricFamily(self._names[0], self._docs[0], value=value)
-        vllm = CounterMetricFamily(self._names[1], self._docs[1], labels=VLLM_LABELS)
-        vllm.add_metric([self._base[label] for label in VLLM_LABELS], value)
-        return [own, vllm]
-
-
 class _LabelledTwin:
     """A `_Twin` with labels of its own (finished_reason, position): `.labels(...)` gives the twin series."""
 
@@ -184,9 +157,9 @@ class ServerMetrics:
         self.kv_usage = twin(Gauge, "exspec_kv_cache_usage_perc", "vllm:kv_cache_usage_perc",
                              "Fraction of KV cache blocks in use (0..1)",
                              "Fraction of KV cache blocks in use, 0..1 (vLLM's name)")
-        self.preemptions = _ScrapedCounterTwin(r, "exspec_num_preemptions", "vllm:num_preemptions",
-                                               "Running sequences preempted (KV blocks freed, recomputed later)",
-                                               "Cumulative number of preemptions (vLLM's name)", base)
+        self.preemptions = twin(Counter, "exspec_num_preemptions", "vllm:num_preemptions",
+                                "Running sequences preempted (KV blocks freed, recomputed later)",
+                                "Cumulative number of preemptions (vLLM's name)")
         self.prompt_tokens = twin(Counter, "exspec_prompt_tokens", "vllm:prompt_tokens", "Prompt tokens prefilled",
                                   "Prompt tokens prefilled (vLLM's name)")
         self.generation_tokens = twin(Counter, "exspec_generation_tokens", "vllm:generation_tokens",
@@ -276,7 +249,6 @@ class ServerMetrics:
         self.num_waiting.set_function(lambda: scheduler.num_waiting)
         self.kv_slots.set_function(lambda: scheduler.kv_slots_used_ratio)
         self.kv_usage.set_function(lambda: scheduler.kv_cache_usage_perc)
-        self.preemptions.set_function(lambda: scheduler.num_preemptions)
         scheduler.add_step_listener(self.observe_step)
 
     def observe_step(self, stats: StepStats) -> None:
@@ -287,6 +259,7 @@ class ServerMetrics:
         self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(stats.num_tokens)
         self.vllm_iteration_tokens.observe(stats.num_prompt_tokens + stats.num_tokens)
+        self.preemptions.inc(stats.num_preemptions)
         if stats.kind == "prefill" or stats.batch_size <= 0:
             return
         self.batch_size.observe(stats.batch_size)

@@ -49,9 +49,6 @@ class SchedulerProtocol(Protocol):
     @property
     def kv_cache_usage_perc(self) -> float: ...  # KV blocks held by sequences, 0..1
 
-    @property
-    def num_preemptions(self) -> int: ...  # running sequences preempted since start (monotonic)
-
     async def start(self) -> None: ...
 
     async def shutdown(self, timeout: float = 30.0) -> None: ...

@@ -160,7 +160,8 @@ def test_preemption_takes_the_most_recently_arrived_first_and_requeues_it_at_the
     core = _three_running(eng, prompt_lens=(4, 4, 1))
     core.add(req(3, prompt_len=4, max_tokens=30))  # a newer request, still waiting
     eng.withheld = eng.num_free_blocks  # no block free: the step must preempt until it fits
-    core.step()
+    _, stats = core.step()
+    assert [s.num_preemptions for s in stats] == [2]  # for the metrics
     # Newest first: request 2 frees 1 block, short of the 2 that requests 0 and 1 need; request 1 frees 4.
     assert eng.freed == [2, 1]
     assert [r.request_id for r in core.waiting] == ["1", "2", "3"]  # oldest preempted at the head

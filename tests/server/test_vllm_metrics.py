@@ -247,7 +247,7 @@ def test_one_step_moves_both_families_alike():
     m = ServerMetrics(model_name="m")
     m.observe_step(_step(kind="prefill", batch_size=2, num_draft_tokens=0, num_proposed_tokens=0, num_drafts=0,
                          accepted_per_position=(), num_tokens=2, num_prompt_tokens=11))
-    m.observe_step(_step())  # 4 rows, k = 3, one row opted out of speculation: 3 drafts of 3 tokens
+    m.observe_step(_step(num_preemptions=2))  # 4 rows, k = 3, one row opted out: 3 drafts of 3 tokens
     s = _samples(m)
     v = (("engine", "0"), ("model_name", "m"))
     assert s[("vllm:spec_decode_num_drafts_total", v)] == s[("exspec_spec_decode_num_drafts_total", ())] == 3
@@ -259,6 +259,7 @@ def test_one_step_moves_both_families_alike():
     assert s[("vllm:prompt_tokens_total", v)] == s[("exspec_prompt_tokens_total", ())] == 11
     assert s[("vllm:generation_tokens_total", v)] == s[("exspec_generation_tokens_total", ())] == 11
     assert s[("vllm:iteration_tokens_total_count", v)] == 2 and s[("vllm:iteration_tokens_total_sum", v)] == 22
+    assert s[("vllm:num_preemptions_total", v)] == s[("exspec_num_preemptions_total", ())] == 2
 
 
 def _delta(n: int, finished: bool = False, done: int = 0, queue: float | None = None) -> RequestOutput:
