@@ -184,12 +184,11 @@ class SchedulerCore:
         reserved = None  # computed once the head's prompt fits at all
         while self.waiting and len(self.pool) < self.config.pool_size and self.engine.num_free_slots > 0:
             req = self.waiting[0]
-            prompt = req.prompt_token_ids + req.output_token_ids
-            need = self.blocks.blocks_needed(None, len(prompt))
+            need = self.blocks.blocks_needed(None, req.length)  # its prompt, and what it generated if preempted
             if need > self.blocks.num_blocks:  # even an empty cache cannot hold it: no reason to wait
                 self.waiting.popleft()
                 self.num_left_waiting += 1
-                self._pending.append(self._finish(req, "error", self._never_fits(len(prompt), need)))
+                self._pending.append(self._finish(req, "error", self._never_fits(req.length, need)))
                 continue
             if reserved is None:
                 reserved = self._reserved_blocks()
@@ -199,7 +198,7 @@ class SchedulerCore:
             seq_id = self._next_seq_id
             self._next_seq_id += 1
             try:
-                self.engine.add(seq_id, prompt, self._engine_params(req))
+                self.engine.add(seq_id, req.prompt_token_ids + req.output_token_ids, self._engine_params(req))
             except CapacityError as e:  # the engine disagrees with its own count: wait, unless nothing can free
                 if self.pool:
                     self.waiting.appendleft(req)
