@@ -6,7 +6,7 @@ what it is with blocks to spare: greedy and seeded tokens, min_tokens, stop ids,
 import pytest
 
 from exspec.engine.params import SamplingParams
-from exspec.errors import InvalidRequestError
+from exspec.errors import CapacityError, InvalidRequestError
 from exspec.scheduler import AsyncScheduler, SchedulerConfig, SchedulerCore
 from exspec.scheduler.request import Request
 from tests.support.fake_engine import EOS, FakeEngine
@@ -291,3 +291,29 @@ def test_a_sequence_that_outgrows_the_whole_cache_ends_with_length():
     assert deltas[-1][1].finish_reason == "length"
     assert tokens == [FakeEngine.token_at(p) for p in range(4, 13)]  # the pending token sits at position 12
     assert eng.num_free_blocks == 3 and core.num_preemptions == 0
+
+
+def test_an_engine_capacity_error_at_add_makes_the_request_wait_never_fail():
+    """Should the engine refuse a prompt the scheduler counted as fitting, the request waits for blocks
+    while others run (no error reaches the client); with nothing running that could free any, it fails
+    alone, at once (no hang)."""
+    eng = FakeEngine(block_size=4)
+    refusals = {"1": 2, "2": 10**9}  # request id -> adds the engine refuses
+    original = eng.add
+
+    def add(seq_id, ids, params):
+        rid = {12: "1", 13: "2"}.get(len(ids), "0")
+        if refusals.get(rid, 0) > 0:
+            refusals[rid] -= 1
+            raise CapacityError("no KV blocks, says the engine")
+        return original(seq_id, ids, params)
+
+    eng.add = add
+    core = SchedulerCore(eng, fixed())
+    core.add(req(0, prompt_len=4, max_tokens=6))
+    core.add(req(1, prompt_len=12, max_tokens=3))
+    finals = {d.request_id: d for _, d in run_all(core) if d.finished}
+    assert finals["0"].finish_reason == finals["1"].finish_reason == "length" and refusals["1"] == 0
+    core.add(req(2, prompt_len=13, max_tokens=3))  # alone, and always refused
+    finals = {d.request_id: d for _, d in run_all(core, max_steps=5) if d.finished}
+    assert finals["2"].finish_reason == "error" and "KV blocks" in finals["2"].error
