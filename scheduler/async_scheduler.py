@@ -82,8 +82,8 @@ class AsyncScheduler:
 
     @property
     def num_waiting(self) -> int:
-        """Submitted and not yet admitted to the pool (nor aborted while waiting)."""
-        return self._submitted - self._core.num_left_waiting
+        """Submitted and not yet admitted to the pool (nor aborted while waiting), preempted ones included."""
+        return self._submitted - self._core.num_left_waiting + self._core.num_preemptions
 
     @property
     def num_running(self) -> int:
@@ -117,6 +117,11 @@ class AsyncScheduler:
     def kv_slots_used_ratio(self) -> float:
         return (self.engine.num_slots - self.engine.num_free_slots) / self.engine.num_slots
 
+    @property
+    def kv_cache_usage_perc(self) -> float:
+        """Fraction of the KV blocks held by sequences, 0..1 (vLLM's name, and like vLLM's a fraction)."""
+        return self._core.kv_cache_usage
+
     def add_step_listener(self, fn: Callable[[StepStats], None]) -> None:
         self._listeners.append(fn)
 
@@ -125,6 +130,7 @@ class AsyncScheduler:
             raise SchedulerClosedError(self._dead or "the server is shutting down and accepts no new requests")
         self.engine.check_prompt(prompt_token_ids)
         self.engine.check_params(params)
+        self._core.check_fits(prompt_token_ids)
         request_id = request_id or uuid.uuid4().hex
         with self._lock:
             if request_id in self._streams:

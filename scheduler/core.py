@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import time
 from dataclasses import replace
 from collections import deque
@@ -15,7 +16,7 @@ from typing import Any, Protocol
 
 from exspec.engine.params import SamplingParams
 from exspec.engine.types import PrefillBatch, PrefillChunk, StepBatch, StepOutput
-from exspec.errors import ConfigError, ExspecError
+from exspec.errors import CapacityError, ConfigError, ExspecError, InvalidRequestError
 from exspec.scheduler.policy import Candidate, SpeculationPolicy, age_threshold_for, choose_batch, plan_prefill
 from exspec.scheduler.request import IncrementalDetokenizer, Request, RequestState
 from exspec.scheduler.stopping import StopRule
@@ -34,8 +35,17 @@ class EngineProtocol(Protocol):
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     has_draft: bool
-    num_slots: int
+    num_slots: int  # sequence metadata rows (max_num_seqs)
     num_free_slots: int
+    block_size: int  # positions per KV block
+    num_blocks: int  # KV blocks a sequence can be given (the null block excluded)
+    num_free_blocks: int
+
+    def blocks_needed(self, seq_id: int | None, length: int) -> int:
+        """New blocks the sequence must be given to hold positions [0, length); seq_id None: a sequence not yet
+        added (ceil(length / block_size)). 0 when it already holds them. `add` takes the prompt's blocks; `step`
+        first takes each row's `blocks_needed(seq_id, length + k)`, or raises CapacityError changing nothing."""
+        ...
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None: ...
     def check_params(self, params: SamplingParams) -> None: ...
@@ -43,6 +53,27 @@ class EngineProtocol(Protocol):
     def free(self, seq_id: int) -> None: ...
     def prefill(self, batch: PrefillBatch) -> StepOutput: ...
     def step(self, batch: StepBatch) -> StepOutput: ...
+
+
+class _SlotsAsBlocks:
+    """The block view of an engine without the block API, whose KV is one slot of max_model_len positions per
+    sequence (SpecEngine before paged KV): a sequence takes one "block" when added and never needs another.
+    Only until every engine has the block API (issue 19); then `SchedulerCore.blocks` is the engine itself."""
+
+    def __init__(self, engine: EngineProtocol) -> None:
+        self.engine = engine
+        self.block_size = engine.max_model_len
+
+    @property
+    def num_blocks(self) -> int:
+        return self.engine.num_slots
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.engine.num_free_slots
+
+    def blocks_needed(self, seq_id: int | None, length: int) -> int:
+        return 1 if seq_id is None else 0
 
 
 Delta = tuple[Request, RequestOutput]
@@ -65,6 +96,7 @@ class SchedulerCore:
         except ValueError as e:
             raise ConfigError(str(e)) from e
         self.engine = engine
+        self.blocks = engine if hasattr(engine, "blocks_needed") else _SlotsAsBlocks(engine)  # KV block accounting
         self.config = config
         k_max = config.num_speculative_tokens if engine.has_draft else 0
         self.speculation = speculation or SpeculationPolicy(config.speculation, k_max)
@@ -75,6 +107,9 @@ class SchedulerCore:
         self._last_was_prefill = False
         self._pending: list[Delta] = []  # deltas of requests that failed outside a step's results
         self.num_left_waiting = 0  # requests that left `waiting` (admitted or aborted): monotonic
+        self.num_preemptions = 0  # running sequences sent back to `waiting` to be recomputed: monotonic
+        self._unreported_preemptions = 0  # not yet in a StepStats
+        self._seed_rng = random.Random(0)  # seeds of sampled requests that gave none (kept across preemptions)
 
     # ------------------------------------------------------------------ queue
 
@@ -86,8 +121,19 @@ class SchedulerCore:
     def num_running(self) -> int:
         return len(self.pool)
 
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the engine's KV blocks held by sequences (vLLM's kv_cache_usage_perc), 0..1."""
+        return 1.0 - self.blocks.num_free_blocks / self.blocks.num_blocks
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.pool)
+
+    def check_fits(self, prompt_token_ids: list[int]) -> None:
+        """Raise InvalidRequestError if this prompt needs more KV blocks than the whole cache has."""
+        need = self.blocks.blocks_needed(None, len(prompt_token_ids))
+        if need > self.blocks.num_blocks:
+            raise InvalidRequestError(self._never_fits(len(prompt_token_ids), need))
 
     def add(self, req: Request) -> None:
         req.detok = IncrementalDetokenizer(self.engine.tokenizer, req.prompt_token_ids)
@@ -129,28 +175,82 @@ class SchedulerCore:
         return pending + deltas, stats
 
     def _admit(self) -> None:
+        """Admit waiting requests in FIFO order while a slot, room in the pool and the KV blocks of the
+        request's prompt are free. The head is never overtaken by a smaller prompt (a long prompt is not
+        starved); and the blocks the admitted sequences need for their next step at k = 0 stay reserved, so
+        admitting never forces a preemption. A preempted request, back at the head, is re-added with its
+        generated tokens appended to its prompt, and recomputed."""
         now = time.monotonic()
+        reserved = None  # computed once the head's prompt fits at all
         while self.waiting and len(self.pool) < self.config.pool_size and self.engine.num_free_slots > 0:
-            req = self.waiting.popleft()
-            self.num_left_waiting += 1
+            req = self.waiting[0]
+            need = self.blocks.blocks_needed(None, req.length)  # its prompt, and what it generated if preempted
+            if need > self.blocks.num_blocks:  # even an empty cache cannot hold it: no reason to wait
+                self.waiting.popleft()
+                self.num_left_waiting += 1
+                self._pending.append(self._finish(req, "error", self._never_fits(req.length, need)))
+                continue
+            if reserved is None:
+                reserved = self._reserved_blocks()
+            if need + reserved > self.blocks.num_free_blocks:
+                break  # admission waits for blocks: running sequences finish or are preempted
+            self.waiting.popleft()
             seq_id = self._next_seq_id
             self._next_seq_id += 1
-            params = req.params
-            if self.config.speculation != "fixed" and params.seed is not None and not params.greedy:
-                # Under a timing-driven policy k varies from run to run, and with it which random numbers a
-                # sampled row uses: a seeded request decodes without drafts, so its seed reproduces exactly.
-                params = replace(params, use_speculation=False)
             try:
-                self.engine.add(seq_id, req.prompt_token_ids, params)
-            except Exception as e:  # this request's fault or not, it must not stop the loop
+                self.engine.add(seq_id, req.prompt_token_ids + req.output_token_ids, self._engine_params(req))
+            except CapacityError as e:  # the engine disagrees with its own count: wait, unless nothing can free
+                if self.pool:
+                    self.waiting.appendleft(req)
+                    break
+                self.num_left_waiting += 1
                 self._pending.append(self._finish(req, "error", _message(e, req)))
                 continue
+            except Exception as e:  # this request's fault or not, it must not stop the loop
+                self.num_left_waiting += 1
+                self._pending.append(self._finish(req, "error", _message(e, req)))
+                continue
+            self.num_left_waiting += 1
             req.seq_id = seq_id
-            req.stop_rule = StopRule.build(req.params, self.engine.eos_token_ids, self.engine.max_model_len)
+            req.num_recomputed = req.num_output_tokens
+            if req.stop_rule is None:
+                req.stop_rule = StopRule.build(req.params, self.engine.eos_token_ids, self.engine.max_model_len)
             req.state = RequestState.PREFILLING
-            req.first_scheduled_time = now
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
             self.pool.append(req)
             self._by_seq[seq_id] = req
+            reserved += self.blocks.blocks_needed(seq_id, req.length + 1)
+
+    def _engine_params(self, req: Request) -> SamplingParams:
+        """The parameters the engine is given for `req`: on a re-add after a preemption, such that it continues
+        exactly where it was (the same seed; min_tokens and max_tokens counted from its new, longer prompt)."""
+        params = req.params
+        if self.config.speculation != "fixed" and params.seed is not None and not params.greedy:
+            # Under a timing-driven policy k varies from run to run, and with it which random numbers a
+            # sampled row uses: a seeded request decodes without drafts, so its seed reproduces exactly.
+            params = replace(params, use_speculation=False)
+        if params.seed is None and not params.greedy:
+            # A seed of the scheduler's rather than one the engine draws, so that a re-add samples on with it
+            # (the request still counts as unseeded above: it speculates).
+            if req.engine_seed is None:
+                req.engine_seed = self._seed_rng.getrandbits(63)
+            params = replace(params, seed=req.engine_seed)
+        done = req.num_output_tokens
+        if done:
+            params = replace(params, max_tokens=params.max_tokens - done, min_tokens=max(params.min_tokens - done, 0))
+        return params
+
+    def _reserved_blocks(self) -> int:
+        """Blocks the admitted sequences need for their next step at k = 0 (a prefilling one: its first step,
+        when its pending token, sampled at the end of the prompt, is written)."""
+        return sum(
+            self.blocks.blocks_needed(r.seq_id, r.length + (r.state is RequestState.PREFILLING)) for r in self.pool
+        )
+
+    def _never_fits(self, length: int, need: int) -> str:
+        return (f"a prompt of {length} tokens needs {need} KV blocks of {self.blocks.block_size} positions; "
+                f"the KV cache has {self.blocks.num_blocks} in all")
 
     def _prefill_step(self, prefilling: list[Request], t0: float) -> tuple[list[Delta], list[StepStats]]:
         n, width = plan_prefill([r.prompt_len - r.num_prefilled for r in prefilling], self.config.max_prefill_tokens)
@@ -184,6 +284,9 @@ class SchedulerCore:
         for r in running:
             r.waited = 0 if id(r) in chosen_ids else r.waited + 1
         k = self.speculation.choose(len(chosen))
+        chosen, k = self._fit_growth(chosen, k)
+        if not chosen:
+            return [], []
         t1 = time.perf_counter()
         self._last_was_prefill = False
 
@@ -201,6 +304,43 @@ class SchedulerCore:
             deltas += new
             stats.append(self._stats(out, t1 - t0, 0, kept))
         return deltas, stats
+
+    def _fit_growth(self, chosen: list[Request], k: int) -> tuple[list[Request], int]:
+        """Make the KV blocks the step needs (each row's positions up to length + k) fit the free ones, so the
+        engine step never runs short: keep the largest k up to the policy's whose growth fits; when even k = 0
+        does not fit, preempt the most recently arrived admitted sequence (vLLM v1's order), chosen or not,
+        and try again. A sequence alone in the pool that cannot grow by one token ends with "length": the KV
+        cache holds no longer sequence (a configuration whose max_model_len fits never gets there)."""
+        while chosen:
+            free = self.blocks.num_free_blocks
+            for kk in range(k, -1, -1):
+                if sum(self.blocks.blocks_needed(r.seq_id, r.length + kk) for r in chosen) <= free:
+                    return chosen, kk
+            victim = max(self.pool, key=lambda r: r.order)
+            if len(self.pool) == 1:
+                log.warning("request %s cannot grow past %d tokens: the KV cache has %d blocks of %d positions",
+                            victim.request_id, victim.length, self.blocks.num_blocks, self.blocks.block_size)
+                self._pending.append(self._finish(victim, "length", None))
+                return [], 0
+            self._preempt(victim)
+            chosen = [r for r in chosen if r is not victim]
+        return chosen, k
+
+    def _preempt(self, req: Request) -> None:
+        """Free a sequence's KV blocks and put it back at the head of the waiting queue (recompute preemption,
+        as vLLM v1): it is re-added later with its generated tokens appended to its prompt. Its stream only
+        pauses: the tokens, text and stopping state it has are kept, so it continues exactly where it was."""
+        self.engine.free(req.seq_id)
+        self._by_seq.pop(req.seq_id, None)
+        req.seq_id = None
+        self.pool.remove(req)
+        req.state = RequestState.WAITING
+        req.num_prefilled = 0
+        req.waited = 0
+        self.waiting.appendleft(req)  # victims go newest first, so the oldest ends at the head
+        self.num_preemptions += 1
+        self._unreported_preemptions += 1
+        log.debug("preempted request %s at %d tokens", req.request_id, req.length)
 
     def _run_isolated(
         self, reqs: list[Request], call: Callable[[list[Request]], StepOutput]
@@ -276,6 +416,7 @@ class SchedulerCore:
         )
 
     def _stats(self, out: StepOutput, schedule_s: float, prompt_tokens: int, num_tokens: int) -> StepStats:
+        preempted, self._unreported_preemptions = self._unreported_preemptions, 0
         return StepStats(
             kind=out.kind,
             batch_size=out.batch_size,
@@ -288,6 +429,7 @@ class SchedulerCore:
             schedule_s=schedule_s,
             draft_s=out.draft_s,
             verify_s=out.verify_s,
+            num_preemptions=preempted,
         )
 
 

@@ -11,7 +11,7 @@ from exspec.scheduler.stopping import StopRule
 
 
 class RequestState(enum.Enum):
-    WAITING = "waiting"  # queued, no KV slot yet
+    WAITING = "waiting"  # queued, no KV slot yet (or preempted: its blocks freed, to be recomputed)
     PREFILLING = "prefilling"  # has a slot; prompt (partly) not in the caches yet
     RUNNING = "running"  # decoding
     FINISHED = "finished"  # stop / length / error
@@ -58,7 +58,9 @@ class Request:
     state: RequestState = RequestState.WAITING
     seq_id: int | None = None  # the engine's handle once admitted (a KV slot is held while it is set)
     stop_rule: StopRule | None = None  # set at admission
-    num_prefilled: int = 0  # prompt tokens already in the engine's caches
+    num_prefilled: int = 0  # tokens of the engine's prompt (`prompt_len`) already in its caches
+    num_recomputed: int = 0  # generated tokens re-fed as prompt at the latest admission (after a preemption)
+    engine_seed: int | None = None  # the seed the engine samples with when the request gave none (sampled only)
     first_scheduled_time: float | None = None
     waited: int = 0  # consecutive decode steps not chosen (aging)
     finish_reason: str | None = None
@@ -76,7 +78,9 @@ class Request:
 
     @property
     def prompt_len(self) -> int:
-        return len(self.prompt_token_ids)
+        """Tokens the engine prefills: the prompt, and after a preemption also the tokens generated before it
+        (recomputed). The client's prompt is `prompt_token_ids`."""
+        return len(self.prompt_token_ids) + self.num_recomputed
 
     @property
     def num_output_tokens(self) -> int:

@@ -76,3 +76,4 @@ class StepStats:
     schedule_s: float  # time choosing the batch
     draft_s: float  # time drafting
     verify_s: float  # time verifying and accepting (prefill: the forward)
+    num_preemptions: int = 0  # sequences preempted to make room for this step (or an earlier one that ran nothing)

@@ -24,6 +24,8 @@ EXSPEC_METRIC_NAMES: tuple[str, ...] = (
     "exspec_num_requests_running",
     "exspec_num_requests_waiting",
     "exspec_kv_slots_used_ratio",
+    "exspec_kv_cache_usage_perc",
+    "exspec_num_preemptions_total",
     "exspec_prompt_tokens_total",
     "exspec_generation_tokens_total",
     "exspec_request_success_total",
@@ -45,6 +47,7 @@ VLLM_METRIC_NAMES: tuple[str, ...] = (
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
     "vllm:kv_cache_usage_perc",
+    "vllm:num_preemptions_total",
     "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total",
     "vllm:request_success_total",
@@ -151,8 +154,12 @@ class ServerMetrics:
                                 "Requests in the running pool", "Requests in the running pool (vLLM's name)")
         self.num_waiting = twin(Gauge, "exspec_num_requests_waiting", "vllm:num_requests_waiting",
                                 "Requests queued before admission", "Requests queued before admission (vLLM's name)")
-        self.kv_used = twin(Gauge, "exspec_kv_slots_used_ratio", "vllm:kv_cache_usage_perc",
-                            "Fraction of KV slots in use (0..1)", "Fraction of KV slots in use, 0..1 (vLLM's name)")
+        self.kv_usage = twin(Gauge, "exspec_kv_cache_usage_perc", "vllm:kv_cache_usage_perc",
+                             "Fraction of KV cache blocks in use (0..1)",
+                             "Fraction of KV cache blocks in use, 0..1 (vLLM's name)")
+        self.preemptions = twin(Counter, "exspec_num_preemptions", "vllm:num_preemptions",
+                                "Running sequences preempted (KV blocks freed, recomputed later)",
+                                "Cumulative number of preemptions (vLLM's name)")
         self.prompt_tokens = twin(Counter, "exspec_prompt_tokens", "vllm:prompt_tokens", "Prompt tokens prefilled",
                                   "Prompt tokens prefilled (vLLM's name)")
         self.generation_tokens = twin(Counter, "exspec_generation_tokens", "vllm:generation_tokens",
@@ -187,6 +194,7 @@ class ServerMetrics:
                                own_buckets=_LATENCY_BUCKETS, vllm_buckets=_VLLM_REQUEST_BUCKETS)
 
         # --- exspec only
+        self.kv_slots = Gauge("exspec_kv_slots_used_ratio", "Fraction of sequence slots in use (0..1)", registry=r)
         self.itl = Histogram(
             "exspec_inter_token_latency_seconds",
             "Time per output token after the first (a delta of n tokens counts n times its gap / n)",
@@ -239,7 +247,8 @@ class ServerMetrics:
         """Gauges read the scheduler at scrape time; step metrics come from its step listener."""
         self.num_running.set_function(lambda: scheduler.num_running)
         self.num_waiting.set_function(lambda: scheduler.num_waiting)
-        self.kv_used.set_function(lambda: scheduler.kv_slots_used_ratio)
+        self.kv_slots.set_function(lambda: scheduler.kv_slots_used_ratio)
+        self.kv_usage.set_function(lambda: scheduler.kv_cache_usage_perc)
         scheduler.add_step_listener(self.observe_step)
 
     def observe_step(self, stats: StepStats) -> None:
@@ -250,6 +259,7 @@ class ServerMetrics:
         self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(stats.num_tokens)
         self.vllm_iteration_tokens.observe(stats.num_prompt_tokens + stats.num_tokens)
+        self.preemptions.inc(stats.num_preemptions)
         if stats.kind == "prefill" or stats.batch_size <= 0:
             return
         self.batch_size.observe(stats.batch_size)

@@ -44,7 +44,10 @@ class SchedulerProtocol(Protocol):
     def num_running(self) -> int: ...
 
     @property
-    def kv_slots_used_ratio(self) -> float: ...
+    def kv_slots_used_ratio(self) -> float: ...  # sequence slots (metadata rows) in use, 0..1
+
+    @property
+    def kv_cache_usage_perc(self) -> float: ...  # KV blocks held by sequences, 0..1
 
     async def start(self) -> None: ...
 

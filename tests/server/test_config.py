@@ -60,6 +60,6 @@ def test_the_scheduler_implements_the_protocol_the_server_uses():
     members = {name for name in vars(SchedulerProtocol) if not name.startswith("_")}
     assert {"model_name", "max_model_len", "tokenizer", "vocab_size", "submit", "abort", "start", "shutdown",
             "is_alive", "is_accepting", "num_waiting", "num_running", "kv_slots_used_ratio",
-            "add_step_listener"} <= members
+            "kv_cache_usage_perc", "add_step_listener"} <= members
     missing = sorted(name for name in members if not hasattr(AsyncScheduler, name))
     assert not missing, missing

@@ -69,7 +69,7 @@ class FakeScheduler:
         self.is_alive = True
         self.is_accepting = True
         self.num_running = self.num_waiting = 0
-        self.kv_slots_used_ratio = 0.0
+        self.kv_slots_used_ratio = self.kv_cache_usage_perc = 0.0
         self.aborted: list[str] = []
         self.listeners = []
 

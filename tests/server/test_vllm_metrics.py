@@ -27,6 +27,7 @@ VLLM_TYPES = {
     "vllm:num_requests_running": "gauge",
     "vllm:num_requests_waiting": "gauge",
     "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:num_preemptions_total": "counter",
     "vllm:prompt_tokens_total": "counter",
     "vllm:generation_tokens_total": "counter",
     "vllm:request_success_total": "counter",
@@ -74,6 +75,7 @@ TWINS = {
     "vllm:e2e_request_latency_seconds_count": "exspec_e2e_request_latency_seconds_count",
     "vllm:e2e_request_latency_seconds_sum": "exspec_e2e_request_latency_seconds_sum",
     "vllm:request_queue_time_seconds_count": "exspec_request_queue_time_seconds_count",
+    "vllm:num_preemptions_total": "exspec_num_preemptions_total",
 }
 VLLM_LABELS = {"model_name": SERVED, "engine": "0"}
 
@@ -191,7 +193,8 @@ def test_vllm_counters_and_histograms_move_with_traffic(srv, client):
     for vllm_name, own in TWINS.items():
         assert moved(vllm_name) == pytest.approx(moved(own)), vllm_name
     assert after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0
-    assert after["vllm:kv_cache_usage_perc"] == 0
+    assert after["vllm:kv_cache_usage_perc"] == after["exspec_kv_cache_usage_perc"] == 0
+    assert after["vllm:num_preemptions_total"] == after["exspec_num_preemptions_total"] == 0  # blocks to spare
 
 
 def test_vllm_bench_serve_reads_the_spec_decode_counters(srv, client):
@@ -244,7 +247,7 @@ def test_one_step_moves_both_families_alike():
     m = ServerMetrics(model_name="m")
     m.observe_step(_step(kind="prefill", batch_size=2, num_draft_tokens=0, num_proposed_tokens=0, num_drafts=0,
                          accepted_per_position=(), num_tokens=2, num_prompt_tokens=11))
-    m.observe_step(_step())  # 4 rows, k = 3, one row opted out of speculation: 3 drafts of 3 tokens
+    m.observe_step(_step(num_preemptions=2))  # 4 rows, k = 3, one row opted out: 3 drafts of 3 tokens
     s = _samples(m)
     v = (("engine", "0"), ("model_name", "m"))
     assert s[("vllm:spec_decode_num_drafts_total", v)] == s[("exspec_spec_decode_num_drafts_total", ())] == 3
@@ -256,6 +259,7 @@ def test_one_step_moves_both_families_alike():
     assert s[("vllm:prompt_tokens_total", v)] == s[("exspec_prompt_tokens_total", ())] == 11
     assert s[("vllm:generation_tokens_total", v)] == s[("exspec_generation_tokens_total", ())] == 11
     assert s[("vllm:iteration_tokens_total_count", v)] == 2 and s[("vllm:iteration_tokens_total_sum", v)] == 22
+    assert s[("vllm:num_preemptions_total", v)] == s[("exspec_num_preemptions_total", ())] == 2
 
 
 def _delta(n: int, finished: bool = False, done: int = 0, queue: float | None = None) -> RequestOutput:

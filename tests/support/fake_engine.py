@@ -1,13 +1,19 @@
 """A model-free engine for scheduler tests: same protocol as SpecEngine (sequence ids in, sampled tokens
-out, no stopping decisions), deterministic fake tokens."""
+out, no stopping decisions), deterministic fake tokens, KV blocks accounted exactly as the engine contract
+says (issue 19): `add` takes the prompt's blocks, `step` first gives each row the blocks for
+`length + k` positions (raising CapacityError before changing anything when they are short), `free` returns
+a sequence's blocks."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 from exspec.engine.params import SamplingParams
 from exspec.engine.types import PrefillBatch, SeqOutput, StepBatch, StepOutput
 from exspec.errors import CapacityError, InvalidRequestError
+
+EOS = 2
 
 
 @dataclass
@@ -17,32 +23,47 @@ class FakeSeq:
     params: SamplingParams
     slot: int
     length: int  # prompt + sampled tokens
+    seed: int  # the request's seed, or one drawn at add (as SpecEngine does)
+    num_blocks: int = 0  # KV blocks held: positions [0, num_blocks * block_size)
     num_prefilled: int = 0
 
 
 class FakeEngine:
-    """Emits token (position % 50) + 10 at each position; accepts `accept(seq, k)` drafts per step.
+    """Emits token (position % 50) + 10 at each position of a greedy sequence, and a token of (seed, position)
+    for a sampled one (`token_at`); EOS instead at `eos_positions`, unless the sequence has generated fewer
+    than min_tokens tokens, counted from its own prompt as the engine counts them. Accepts `accept(seq, k)`
+    drafts per step.
 
-    Records every batch it is given, so tests can check what the scheduler chose.
+    Records every batch, every add (`added`: seq_id, prompt, params) and every free, so tests can check what the
+    scheduler chose. `withheld` blocks are kept out of the free count, as if something else held them.
     """
 
     model_name = "fake-model"
     vocab_size = 100
-    eos_token_ids = (2,)
+    eos_token_ids = (EOS,)
 
-    def __init__(self, num_slots=16, max_model_len=512, has_draft=True, accept=None, tokenizer=None, step_seconds=0.0):
+    def __init__(self, num_slots=16, max_model_len=512, has_draft=True, accept=None, tokenizer=None, step_seconds=0.0,
+                 block_size=16, num_blocks=None, eos_positions=()):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.has_draft = has_draft
         self.num_slots = num_slots
         self._free = list(range(num_slots))
+        self.block_size = block_size
+        # Default: every slot can hold a whole sequence (largest k + 1 positions of slack past max_model_len).
+        self.num_blocks = num_blocks if num_blocks is not None else num_slots * -(-(max_model_len + 33) // block_size)
+        self.withheld = 0
+        self.eos_positions = frozenset(eos_positions)
         self.seqs: dict[int, FakeSeq] = {}
         self.accept = accept or (lambda seq, k: 0)
         self.step_seconds = step_seconds  # reported draft+verify time, for the speculation policy
         self.batches: list[StepBatch] = []
         self.prefills: list[PrefillBatch] = []
+        self.added: list[tuple[int, list[int], SamplingParams]] = []
+        self.freed: list[int] = []
         self.fail_next = False
         self.fail_ids: set[int] = set()  # a step or prefill holding any of these ids raises
+        self._seed_rng = random.Random(0)
 
     @property
     def num_free_slots(self) -> int:
@@ -51,6 +72,18 @@ class FakeEngine:
     @property
     def num_used(self) -> int:
         return self.num_slots - len(self._free)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.num_blocks - self.num_used_blocks - self.withheld
+
+    @property
+    def num_used_blocks(self) -> int:
+        return sum(s.num_blocks for s in self.seqs.values())
+
+    def blocks_needed(self, seq_id: int | None, length: int) -> int:
+        held = self.seqs[seq_id].num_blocks if seq_id is not None else 0
+        return max(0, -(-length // self.block_size) - held)
 
     def check_prompt(self, ids):
         if not ids:
@@ -66,21 +99,34 @@ class FakeEngine:
         self.check_prompt(ids)
         if not self._free:
             raise CapacityError("no slot")
-        self.seqs[seq_id] = FakeSeq(seq_id, len(ids), params, self._free.pop(), len(ids))
+        need = self.blocks_needed(None, len(ids))
+        if need > self.num_free_blocks:
+            raise CapacityError(f"{need} KV blocks needed, {self.num_free_blocks} free")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        self.seqs[seq_id] = FakeSeq(seq_id, len(ids), params, self._free.pop(), len(ids), seed, need)
+        self.added.append((seq_id, list(ids), params))
 
     def free(self, seq_id):
         seq = self.seqs.pop(seq_id, None)
         if seq is not None:
             self._free.append(seq.slot)
+            self.freed.append(seq_id)
 
     @staticmethod
-    def token_at(position: int) -> int:
-        return position % 50 + 10
+    def token_at(position: int, seed: int | None = None) -> int:
+        """The token a greedy sequence (seed None) or a sampled one with this seed gets at `position`."""
+        if seed is None:
+            return position % 50 + 10
+        return random.Random(seed * 1_000_003 + position).randrange(10, 60)
 
     def _emit(self, seq: FakeSeq, n: int) -> tuple[int, ...]:
-        new = tuple(self.token_at(seq.length + i) for i in range(n))
+        seed = None if seq.params.greedy else seq.seed
+        new = []
+        for pos in range(seq.length, seq.length + n):
+            stop_allowed = pos - seq.prompt_len >= seq.params.min_tokens
+            new.append(EOS if pos in self.eos_positions and stop_allowed else self.token_at(pos, seed))
         seq.length += n
-        return new
+        return tuple(new)
 
     def _maybe_fail(self, ids) -> None:
         if self.fail_next:
@@ -95,7 +141,7 @@ class FakeEngine:
         outs = []
         for c in batch.chunks:
             seq = self.seqs[c.seq_id]
-            assert c.start == seq.num_prefilled < c.end <= seq.prompt_len
+            assert c.start == seq.num_prefilled < c.end <= seq.prompt_len <= seq.num_blocks * self.block_size
             seq.num_prefilled = c.end
             new = self._emit(seq, 1) if c.end == seq.prompt_len else ()
             outs.append(SeqOutput(c.seq_id, new, 0, 0))
@@ -103,10 +149,16 @@ class FakeEngine:
 
     def step(self, batch: StepBatch) -> StepOutput:
         self._maybe_fail(batch.seq_ids)
-        self.batches.append(batch)
         seqs = [self.seqs[i] for i in batch.seq_ids]
         assert all(s.length < self.max_model_len and s.num_prefilled == s.prompt_len for s in seqs)
         k = batch.num_draft_tokens if self.has_draft else 0
+        # The blocks for the positions this step writes, [length - 1, length + k), for the whole batch or none.
+        growth = [self.blocks_needed(s.seq_id, s.length + k) for s in seqs]
+        if sum(growth) > self.num_free_blocks:
+            raise CapacityError(f"the step needs {sum(growth)} KV blocks, {self.num_free_blocks} free")
+        self.batches.append(batch)
+        for seq, n in zip(seqs, growth):
+            seq.num_blocks += n
         grouped = len({s.length for s in seqs}) == 1
         outs, per_pos = [], [0] * k
         for seq in seqs:
