@@ -86,6 +86,19 @@ def resolve_model_path(path: Path) -> Path:
     return Path(path) if gguf is None else gguf_to_hf_dir(gguf)
 
 
+def model_name(path: Path) -> str:
+    """A model's name as exspec shows it: a .gguf file's stem, a converted directory's source file's stem, else
+    the directory's name."""
+    path = Path(path)
+    if path.suffix.lower() == GGUF_SUFFIX:
+        return path.stem
+    try:
+        source = json.loads((path / MARKER).read_text())["source"]
+        return Path(source).stem
+    except (OSError, ValueError, KeyError, TypeError):
+        return path.name
+
+
 def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -125,7 +138,7 @@ def gguf_to_hf_dir(gguf_path: Path, cache_root: Path | None = None) -> Path:
         base.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ModelLoadError(f"cannot create the GGUF cache directory {str(base)!r}: {e.strerror or e}") from e
-    with _locked(base / f"{sha}.lock"):
+    with _locked(base / f".{sha}.lock"):
         if cached_conversion(out):  # another process converted it while this one waited
             return out
         tmp = Path(tempfile.mkdtemp(prefix=f".{sha[:16]}-", dir=base))
@@ -171,8 +184,9 @@ def _locked(lock_path: Path):
         os.close(fd)
 
 
-def _architecture(gguf_path: Path) -> str:
-    """The file's `general.architecture`; ModelLoadError when it is not a readable GGUF."""
+def _read_header(gguf_path: Path) -> tuple[str, int | None]:
+    """The file's `general.architecture` and the length of its token list (None without one); ModelLoadError
+    when it is not a readable GGUF."""
     try:
         from gguf import GGUFReader
     except ImportError as e:
@@ -180,7 +194,9 @@ def _architecture(gguf_path: Path) -> str:
     try:
         reader = GGUFReader(gguf_path)
         field = reader.fields["general.architecture"]
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
+        architecture = bytes(field.parts[field.data[0]]).decode("utf-8")
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        return architecture, (len(tokens.data) if tokens is not None else None)
     except KeyError as e:
         raise ModelLoadError(f"{str(gguf_path)!r} is a GGUF file without general.architecture") from e
     except Exception as e:  # the reader raises ValueError, struct or numpy errors on a malformed file
@@ -196,7 +212,7 @@ def _missing_packages(e: ImportError) -> str:
 
 def _convert(gguf_path: Path, out: Path) -> None:
     """Load the file through transformers (dequantized to float32) and save it as a plain HF directory."""
-    architecture = _architecture(gguf_path)
+    architecture, n_tokens = _read_header(gguf_path)
     try:
         import accelerate  # noqa: F401  (transformers needs it to load a GGUF)
         import torch
@@ -236,6 +252,22 @@ def _convert(gguf_path: Path, out: Path) -> None:
     model.generation_config = loaded.generation_config
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    if n_tokens is not None:
+        _drop_tokens_beyond(out / "tokenizer.json", n_tokens)
+
+
+def _drop_tokens_beyond(tokenizer_json: Path, n_tokens: int) -> None:
+    """Remove the added tokens whose id lies past the file's own vocabulary. transformers' byte-level GGUF
+    tokenizer adds `<|endoftext|>` when the file has none, as id n_tokens: the model has no row for it, so a
+    prompt spelling it would index past the embedding matrix."""
+    if not tokenizer_json.is_file():
+        return
+    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    added = data.get("added_tokens") or []
+    kept = [t for t in added if t.get("id", 0) < n_tokens]
+    if len(kept) != len(added):
+        data["added_tokens"] = kept
+        tokenizer_json.write_text(json.dumps(data, ensure_ascii=False, indent=2), encoding="utf-8")
 
 
 def _materialize_buffers(model, loaded) -> None:
