@@ -14,7 +14,7 @@ from exspec.engine import EngineConfig, ModelLoadError, SamplingParams, SpecEngi
 from exspec.engine import gguf as gguf_mod
 from exspec.engine.gguf import MARKER, gguf_file_in, gguf_to_hf_dir, model_name, resolve_model_path
 from exspec.scheduler import SchedulerConfig, generate_offline
-from tests.support.gguf_files import build_tiny_llama, write_llama_gguf
+from tests.support.gguf_files import tiny_gguf, write_llama_gguf
 
 TEXTS = ["Hello world! Caf\u00e9 na\u00efve", "\u65e5\u672c\u8a9e \U0001f600 emoji", "  two  spaces\n\nnew line",
          "<|user|>hi<|end|><|assistant|>"]
@@ -24,10 +24,7 @@ TEXTS = ["Hello world! Caf\u00e9 na\u00efve", "\u65e5\u672c\u8a9e \U0001f600 emo
 def tiny(tmp_path_factory):
     """(HF directory, its GGUF file, the cache root the module converts into)."""
     root = tmp_path_factory.mktemp("gguf-tiny")
-    hf = build_tiny_llama(root)
-    gguf_dir = root / "gguf"
-    gguf_dir.mkdir()
-    path = write_llama_gguf(hf, gguf_dir / "tiny-llama.F32.gguf")
+    hf, path = tiny_gguf(root)
     return hf, path, root / "cache"
 
 

@@ -34,6 +34,14 @@ def build_tiny_llama(root: Path) -> Path:
     return out
 
 
+def tiny_gguf(root: Path) -> tuple[Path, Path]:
+    """(root/hf, root/gguf/tiny-llama.F32.gguf): the tiny Llama of build_tiny_llama and its GGUF, the only
+    .gguf in its directory."""
+    hf = build_tiny_llama(root)
+    (root / "gguf").mkdir()
+    return hf, write_llama_gguf(hf, root / "gguf" / "tiny-llama.F32.gguf")
+
+
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's q/k row order (interleaved rotary halves); transformers' GGUF loader undoes it."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
