@@ -21,12 +21,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from exspec.errors import ModelLoadError
+
+log = logging.getLogger("exspec.gguf")
 
 GGUF_SUFFIX = ".gguf"
 MARKER = "exspec_gguf.json"  # written into a converted directory before it is renamed into place
@@ -87,11 +90,12 @@ def resolve_model_path(path: Path) -> Path:
 
 
 def model_name(path: Path) -> str:
-    """A model's name as exspec shows it: a .gguf file's stem, a converted directory's source file's stem, else
-    the directory's name."""
+    """A model's name as exspec shows it: a .gguf file's stem (also for a directory holding one), a converted
+    directory's source file's stem, else the directory's name."""
     path = Path(path)
-    if path.suffix.lower() == GGUF_SUFFIX:
-        return path.stem
+    gguf = gguf_file_in(path)
+    if gguf is not None:
+        return gguf.stem
     try:
         source = json.loads((path / MARKER).read_text())["source"]
         return Path(source).stem
@@ -141,6 +145,7 @@ def gguf_to_hf_dir(gguf_path: Path, cache_root: Path | None = None) -> Path:
     with _locked(base / f".{sha}.lock"):
         if cached_conversion(out):  # another process converted it while this one waited
             return out
+        log.info("converting %s to a Hugging Face directory (once; cached in %s)", gguf_path, out)
         tmp = Path(tempfile.mkdtemp(prefix=f".{sha[:16]}-", dir=base))
         try:
             _chmod_like_new(tmp)  # mkdtemp makes it private; the cache may be shared
@@ -159,10 +164,8 @@ def gguf_to_hf_dir(gguf_path: Path, cache_root: Path | None = None) -> Path:
 
 
 def _chmod_like_new(path: Path) -> None:
-    """Give a mkdtemp directory the mode a plain mkdir would (0o777 less the umask)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o777 & ~umask)
+    """Give a mkdtemp directory (0o700) the mode of a plain cache directory: readable by all, as its files are."""
+    os.chmod(path, 0o755)
 
 
 @contextlib.contextmanager

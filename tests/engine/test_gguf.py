@@ -136,7 +136,7 @@ def test_resolve_model_path(tiny, converted, tmp_path, monkeypatch):
     shutil.copy(path, with_config / "also.gguf")
     assert resolve_model_path(with_config) == with_config  # config.json wins: a HF directory
     assert gguf_file_in(tmp_path) is None
-    assert model_name(path) == "tiny-llama.F32" and model_name(converted) == "tiny-llama.F32"
+    assert model_name(path) == model_name(path.parent) == model_name(converted) == "tiny-llama.F32"
     assert model_name(hf) == "hf"
 
 
