@@ -150,6 +150,8 @@ def gguf_to_hf_dir(gguf_path: Path, cache_root: Path | None = None) -> Path:
         try:
             _chmod_like_new(tmp)  # mkdtemp makes it private; the cache may be shared
             _convert(gguf_path, tmp)
+            for f in tmp.iterdir():
+                f.chmod(0o644)  # save_pretrained may write its weights 0600
             (tmp / MARKER).write_text(json.dumps(
                 {"format_version": FORMAT_VERSION, "source": str(gguf_path.absolute()), "sha256": sha}, indent=2
             ) + "\n")
