@@ -9,9 +9,11 @@ from exspec.config import ATTENTION_DEFAULT, DTYPES, KV_MEMORY_DEFAULT, SPECULAT
 
 # settings field -> (metavar, help)
 FLAGS = {
-    "model": ("DIR", "target model directory (Hugging Face format); default: the built-in demo pair"),
-    "draft_model": ("DIR", "draft model directory; with --model and no draft, decoding is plain (no speculation)"),
-    "served_model_name": ("NAME", "model name clients pass; default: the target directory's name "
+    "model": ("PATH", "target model: a Hugging Face directory, or a .gguf file (or a directory holding one), "
+                      "converted once and cached; default: the built-in demo pair"),
+    "draft_model": ("PATH", "draft model (a directory or a .gguf, as --model); with --model and no draft, decoding "
+                            "is plain (no speculation)"),
+    "served_model_name": ("NAME", "model name clients pass; default: the target directory's name (a .gguf's stem) "
                                   "('exspec-demo' for the demo pair)"),
     "device": ("DEVICE", "auto | cpu | cuda | cuda:N (default auto: cuda when available)"),
     "dtype": ("DTYPE", f"one of {', '.join(DTYPES)} (default auto: bfloat16 on CUDA, float32 on CPU)"),
@@ -78,8 +80,12 @@ def settings_from_args(args: argparse.Namespace, fields=tuple(FLAGS)) -> Setting
 def resolve_models(settings: Settings):
     """(target, draft, served name): the given pair, or the built-in demo pair (built on first use)."""
     if settings.model is not None:
-        name = settings.served_model_name or settings.model.resolve().name
-        return settings.model, settings.draft_model, name
+        from exspec.engine.gguf import model_name, resolve_model_path
+
+        name = settings.served_model_name or model_name(settings.model.resolve())
+        # a .gguf file (or a directory holding one) becomes its converted, cached Hugging Face directory
+        draft = resolve_model_path(settings.draft_model) if settings.draft_model is not None else None
+        return resolve_model_path(settings.model), draft, name
     from exspec.demo import ensure_demo_pair
 
     target, draft = ensure_demo_pair(progress=True)

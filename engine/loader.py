@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from exspec.engine.config import EngineConfig
+from exspec.engine.gguf import model_name, resolve_model_path
 from exspec.engine.packed_linear import prepack_linears
 from exspec.errors import ModelLoadError
 
@@ -20,7 +21,7 @@ class ModelPair:
     tokenizer: object  # a transformers PreTrainedTokenizerBase
     vocab_size: int  # logits are cut to this many ids: the vocabulary both models share
     eos_token_ids: tuple[int, ...]  # every EOS id the target declares (config, generation config, tokenizer)
-    name: str  # the target directory's name
+    name: str  # the target directory's name (a GGUF target: its file's stem)
 
 
 def _check_dir(path: Path, role: str) -> None:
@@ -124,8 +125,11 @@ def _check_head(model: torch.nn.Module, vocab_size: int, role: str) -> None:
 
 
 def load_model_pair(cfg: EngineConfig) -> ModelPair:
-    target = _load_model(Path(cfg.model), "target model", cfg)
-    tokenizer = _load_tokenizer(Path(cfg.model), "target model")
+    # exspec.config.resolve() has already turned a .gguf into its converted directory; a caller that builds an
+    # EngineConfig itself may still hand one here (a directory passes through unchanged)
+    target_dir = resolve_model_path(Path(cfg.model))
+    target = _load_model(target_dir, "target model", cfg)
+    tokenizer = _load_tokenizer(target_dir, "target model")
     vocab = len(tokenizer)
     target_vocab = target.get_output_embeddings().weight.shape[0]
     if target_vocab < vocab:
@@ -135,8 +139,9 @@ def load_model_pair(cfg: EngineConfig) -> ModelPair:
     draft = None
     shared_vocab = target_vocab
     if cfg.draft_model is not None:
-        draft = _load_model(Path(cfg.draft_model), "draft model", cfg)
-        draft_tok = _load_tokenizer(Path(cfg.draft_model), "draft model")
+        draft_dir = resolve_model_path(Path(cfg.draft_model))
+        draft = _load_model(draft_dir, "draft model", cfg)
+        draft_tok = _load_tokenizer(draft_dir, "draft model")
         if draft_tok.get_vocab() != tokenizer.get_vocab():
             raise ModelLoadError(
                 "draft and target tokenizers differ (different vocabularies): speculative decoding needs one "
@@ -157,5 +162,5 @@ def load_model_pair(cfg: EngineConfig) -> ModelPair:
         tokenizer=tokenizer,
         vocab_size=shared_vocab,
         eos_token_ids=_eos_ids(target, tokenizer),
-        name=Path(cfg.model).name,
+        name=model_name(target_dir),
     )

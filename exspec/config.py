@@ -42,8 +42,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EXSPEC_", env_ignore_empty=True, extra="ignore")
 
     # the model pair
-    model: Path | None = None  # target model directory; None: the built-in demo pair
-    draft_model: Path | None = None  # draft model directory; None with --model: plain decoding
+    model: Path | None = None  # target model directory or .gguf file; None: the built-in demo pair
+    draft_model: Path | None = None  # draft model directory or .gguf file; None with --model: plain decoding
     served_model_name: str | None = None  # default: the target directory's name ("exspec-demo" for the demo)
     # the engine
     device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
@@ -206,14 +206,20 @@ def resolve(
     *,
     max_waiting: int | None = None,
 ) -> ResolvedConfig:
-    """The engine's and the scheduler's configs for this pair. max_model_len defaults to the smaller position
-    limit of the target and the draft; a larger value is an error naming the limit. k = 0 drops the draft."""
+    """The engine's and the scheduler's configs for this pair. A .gguf target or draft (or a directory holding
+    one) is converted to a Hugging Face directory first (engine/gguf.py; cached). max_model_len defaults to the
+    smaller position limit of the target and the draft; a larger value is an error naming the limit. k = 0 drops
+    the draft."""
     from exspec.engine.config import EngineConfig
+    from exspec.engine.gguf import resolve_model_path
     from exspec.scheduler.types import SchedulerConfig
 
     k = settings.num_speculative_tokens
     if k == 0:
         draft = None
+    # a .gguf file (or a directory holding one) becomes its converted Hugging Face directory, once, here
+    target = resolve_model_path(Path(target))
+    draft = resolve_model_path(Path(draft)) if draft is not None else None
     limits = {role: position_limit(d) for role, d in (("target", target), ("draft", draft)) if d is not None}
     known = {role: n for role, n in limits.items() if n is not None}
     limit = min(known.values()) if known else None

@@ -373,9 +373,10 @@ class SchedulerCore:
             if not so.token_ids:  # a prompt chunk that does not complete the prompt
                 continue
             kept, reason = req.stop_rule.apply(so.token_ids, req.num_output_tokens, req.length)
-            num_kept += len(kept)
             first = req.num_output_tokens == 0
-            text, stopped = req.add_tokens(kept, reason is not None)
+            text, stopped, n = req.add_tokens(kept, reason is not None)
+            kept = kept[:n]  # a stop string ends the output at the token that completes it
+            num_kept += len(kept)
             if stopped or reason is not None:
                 deltas.append(self._finish(req, "stop" if stopped else reason, None, kept, text))
             else:

@@ -18,12 +18,20 @@ class RequestState(enum.Enum):
     ABORTED = "aborted"  # cancelled (client gone, shutdown)
 
 
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole UTF-8 character
+
+
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas.
+    """Turns a growing list of token ids into text deltas whose concatenation is the decoded output.
 
     Decodes a short window of tokens twice (with and without the newest tokens) and emits the difference,
-    so multi-byte UTF-8 characters split across tokens (and across speculative steps) are only emitted once
-    complete, and tokenizers that drop a leading space when decoding a fragment see a little context.
+    so that tokenizers that drop a leading space when decoding a fragment see a little context. Text is emitted
+    as soon as its characters are complete: a multi-byte UTF-8 character split across tokens (and across
+    speculative steps) decodes to a trailing U+FFFD until a later token completes it, and that tail is held
+    back (the complete text before it is not). On the last call (`final`) an incomplete tail is dropped, never
+    emitted as U+FFFD (as tokenizers' DecodeStream does): an output cut by max_tokens inside an emoji ends
+    before it, streamed or not. So the text after n tokens, and where a stop string is found, do not depend on
+    how the tokens were grouped into calls.
     """
 
     CONTEXT = 5  # prompt tokens used as left context
@@ -33,6 +41,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_token_ids[-self.CONTEXT :])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        self.emitted = 0  # characters already emitted past the window's prefix while its tail is incomplete
 
     def add(self, new_ids: list[int] | tuple[int, ...], final: bool = False) -> str:
         if self.tokenizer is None:
@@ -41,11 +50,25 @@ class IncrementalDetokenizer:
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
         full = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
-        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
+        incomplete = full.endswith(REPLACEMENT_CHAR)
+        complete = full.rstrip(REPLACEMENT_CHAR) if incomplete else full
+        start = len(prefix) + self.emitted
+        piece = complete[start:] if len(complete) > start else ""
+        if incomplete and not final:
+            self.emitted += len(piece)  # the window stays open until the character completes
+        elif len(full) > len(prefix):
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
-            return full[len(prefix) :]
-        return ""
+            self.emitted = 0
+        return piece
+
+    def save(self) -> tuple[int, int, int, int]:
+        """The state `restore` returns to (the ids added after it are forgotten)."""
+        return len(self.ids), self.prefix_offset, self.read_offset, self.emitted
+
+    def restore(self, saved: tuple[int, int, int, int]) -> None:
+        n, self.prefix_offset, self.read_offset, self.emitted = saved
+        del self.ids[n:]
 
 
 @dataclass(eq=False)
@@ -91,8 +114,28 @@ class Request:
         """Tokens in the sequence: prompt + generated (the engine's length while the request runs)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def add_tokens(self, token_ids: tuple[int, ...], engine_finished: bool) -> tuple[str, bool]:
-        """Append new tokens; return (text to stream now, stopped by a stop string)."""
+    def add_tokens(self, token_ids: tuple[int, ...], engine_finished: bool) -> tuple[str, bool, int]:
+        """Append new tokens; return (text to stream now, stopped by a stop string, tokens kept).
+
+        A stop string ends the output at the token that completes it: the tokens after it in the same
+        speculative step are dropped, so the kept tokens (and `usage`) do not depend on how many tokens a step
+        delivered. Found on the whole step first; only a hit replays that step one token at a time."""
+        if not self.params.stop or len(token_ids) <= 1:
+            return (*self._add(token_ids, engine_finished), len(token_ids))
+        saved = self._save()
+        out, stopped = self._add(token_ids, engine_finished)
+        if not stopped:
+            return out, False, len(token_ids)
+        self._restore(saved)
+        out = ""
+        for i, token in enumerate(token_ids):
+            piece, stopped = self._add((token,), engine_finished and i == len(token_ids) - 1)
+            out += piece
+            if stopped:
+                return out, True, i + 1
+        return out, stopped, len(token_ids)
+
+    def _add(self, token_ids: tuple[int, ...], engine_finished: bool) -> tuple[str, bool]:
         self.output_token_ids.extend(token_ids)
         piece = self.detok.add(token_ids, final=engine_finished) if self.detok else ""
         stops = self.params.stop
@@ -113,3 +156,12 @@ class Request:
         out = self.text[self.sent_chars : end]
         self.sent_chars = end
         return out, stopped
+
+    def _save(self) -> tuple:
+        return len(self.output_token_ids), self.text, self.sent_chars, self.detok.save() if self.detok else None
+
+    def _restore(self, saved: tuple) -> None:
+        n, self.text, self.sent_chars, detok = saved
+        del self.output_token_ids[n:]
+        if self.detok is not None:
+            self.detok.restore(detok)

