@@ -55,27 +55,6 @@ class EngineProtocol(Protocol):
     def step(self, batch: StepBatch) -> StepOutput: ...
 
 
-class _SlotsAsBlocks:
-    """The block view of an engine without the block API, whose KV is one slot of max_model_len positions per
-    sequence (SpecEngine before paged KV): a sequence takes one "block" when added and never needs another.
-    Only until every engine has the block API (issue 19); then `SchedulerCore.blocks` is the engine itself."""
-
-    def __init__(self, engine: EngineProtocol) -> None:
-        self.engine = engine
-        self.block_size = engine.max_model_len
-
-    @property
-    def num_blocks(self) -> int:
-        return self.engine.num_slots
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.engine.num_free_slots
-
-    def blocks_needed(self, seq_id: int | None, length: int) -> int:
-        return 1 if seq_id is None else 0
-
-
 Delta = tuple[Request, RequestOutput]
 INTERNAL_ERROR = "internal error while generating this request; the server log has the details"
 
@@ -96,7 +75,6 @@ class SchedulerCore:
         except ValueError as e:
             raise ConfigError(str(e)) from e
         self.engine = engine
-        self.blocks = engine if hasattr(engine, "blocks_needed") else _SlotsAsBlocks(engine)  # KV block accounting
         self.config = config
         k_max = config.num_speculative_tokens if engine.has_draft else 0
         self.speculation = speculation or SpeculationPolicy(config.speculation, k_max)
@@ -124,15 +102,15 @@ class SchedulerCore:
     @property
     def kv_cache_usage(self) -> float:
         """Fraction of the engine's KV blocks held by sequences (vLLM's kv_cache_usage_perc), 0..1."""
-        return 1.0 - self.blocks.num_free_blocks / self.blocks.num_blocks
+        return 1.0 - self.engine.num_free_blocks / self.engine.num_blocks
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.pool)
 
     def check_fits(self, prompt_token_ids: list[int]) -> None:
         """Raise InvalidRequestError if this prompt needs more KV blocks than the whole cache has."""
-        need = self.blocks.blocks_needed(None, len(prompt_token_ids))
-        if need > self.blocks.num_blocks:
+        need = self.engine.blocks_needed(None, len(prompt_token_ids))
+        if need > self.engine.num_blocks:
             raise InvalidRequestError(self._never_fits(len(prompt_token_ids), need))
 
     def add(self, req: Request) -> None:
@@ -184,15 +162,15 @@ class SchedulerCore:
         reserved = None  # computed once the head's prompt fits at all
         while self.waiting and len(self.pool) < self.config.pool_size and self.engine.num_free_slots > 0:
             req = self.waiting[0]
-            need = self.blocks.blocks_needed(None, req.length)  # its prompt, and what it generated if preempted
-            if need > self.blocks.num_blocks:  # even an empty cache cannot hold it: no reason to wait
+            need = self.engine.blocks_needed(None, req.length)  # its prompt, and what it generated if preempted
+            if need > self.engine.num_blocks:  # even an empty cache cannot hold it: no reason to wait
                 self.waiting.popleft()
                 self.num_left_waiting += 1
                 self._pending.append(self._finish(req, "error", self._never_fits(req.length, need)))
                 continue
             if reserved is None:
                 reserved = self._reserved_blocks()
-            if need + reserved > self.blocks.num_free_blocks:
+            if need + reserved > self.engine.num_free_blocks:
                 break  # admission waits for blocks: running sequences finish or are preempted
             self.waiting.popleft()
             seq_id = self._next_seq_id
@@ -220,7 +198,7 @@ class SchedulerCore:
                 req.first_scheduled_time = now
             self.pool.append(req)
             self._by_seq[seq_id] = req
-            reserved += self.blocks.blocks_needed(seq_id, req.length + 1)
+            reserved += self.engine.blocks_needed(seq_id, req.length + 1)
 
     def _engine_params(self, req: Request) -> SamplingParams:
         """The parameters the engine is given for `req`: on a re-add after a preemption, such that it continues
@@ -245,12 +223,12 @@ class SchedulerCore:
         """Blocks the admitted sequences need for their next step at k = 0 (a prefilling one: its first step,
         when its pending token, sampled at the end of the prompt, is written)."""
         return sum(
-            self.blocks.blocks_needed(r.seq_id, r.length + (r.state is RequestState.PREFILLING)) for r in self.pool
+            self.engine.blocks_needed(r.seq_id, r.length + (r.state is RequestState.PREFILLING)) for r in self.pool
         )
 
     def _never_fits(self, length: int, need: int) -> str:
-        return (f"a prompt of {length} tokens needs {need} KV blocks of {self.blocks.block_size} positions; "
-                f"the KV cache has {self.blocks.num_blocks} in all")
+        return (f"a prompt of {length} tokens needs {need} KV blocks of {self.engine.block_size} positions; "
+                f"the KV cache has {self.engine.num_blocks} in all")
 
     def _prefill_step(self, prefilling: list[Request], t0: float) -> tuple[list[Delta], list[StepStats]]:
         n, width = plan_prefill([r.prompt_len - r.num_prefilled for r in prefilling], self.config.max_prefill_tokens)
@@ -312,14 +290,14 @@ class SchedulerCore:
         and try again. A sequence alone in the pool that cannot grow by one token ends with "length": the KV
         cache holds no longer sequence (a configuration whose max_model_len fits never gets there)."""
         while chosen:
-            free = self.blocks.num_free_blocks
+            free = self.engine.num_free_blocks
             for kk in range(k, -1, -1):
-                if sum(self.blocks.blocks_needed(r.seq_id, r.length + kk) for r in chosen) <= free:
+                if sum(self.engine.blocks_needed(r.seq_id, r.length + kk) for r in chosen) <= free:
                     return chosen, kk
             victim = max(self.pool, key=lambda r: r.order)
             if len(self.pool) == 1:
                 log.warning("request %s cannot grow past %d tokens: the KV cache has %d blocks of %d positions",
-                            victim.request_id, victim.length, self.blocks.num_blocks, self.blocks.block_size)
+                            victim.request_id, victim.length, self.engine.num_blocks, self.engine.block_size)
                 self._pending.append(self._finish(victim, "length", None))
                 return [], 0
             self._preempt(victim)

@@ -3,8 +3,6 @@ completes, greedy outputs stay token-identical to the target alone and seeded sa
 that had blocks to spare. Once through a block budget seen by the scheduler only (any engine), once with the
 engine's own pool sized to a few blocks (the paged engine)."""
 
-import pytest
-
 from exspec.engine.params import SamplingParams
 from exspec.scheduler import SchedulerConfig, SchedulerCore
 from exspec.scheduler.request import Request
@@ -68,11 +66,6 @@ def _kv_bytes_per_block(config, block_size: int, dtype_bytes: int = 4) -> int:
 
 
 def test_the_engine_with_its_own_blocks_exhausted_keeps_outputs_identical(models):
-    from exspec.engine import SpecEngine
-
-    if not hasattr(SpecEngine, "blocks_needed"):
-        pytest.skip("SpecEngine has no KV block API yet (issue 19's paged engine): its pool cannot run out of "
-                    "blocks; test_exhausted_blocks_keep_outputs_identical_on_real_models covers the scheduler")
     jobs = _jobs(models.eos_prompts("llama", count=2, max_new_tokens=40))
     config = SchedulerConfig(max_batch_size=4, pool_size=8, num_speculative_tokens=3)
     _, roomy = _run(models.engine("llama", "noisy", max_num_seqs=8), jobs, config)
