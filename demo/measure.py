@@ -14,7 +14,7 @@ from pathlib import Path
 
 from exspec.demo.cache import MODEL_MARKER, default_demo_dir
 from exspec.demo.corpus import MEASURE_PROMPTS, spec_bench_prompts
-from exspec.demo.tokenizer import EOS_ID, PAD_ID, chat_ids
+from exspec.demo.tokenizer import chat_ids
 
 
 def measure_agreement(target_dir: Path, draft_dir: Path, num_prompts: int = MEASURE_PROMPTS, max_tokens: int = 64) -> dict:
@@ -31,6 +31,7 @@ def measure_agreement(target_dir: Path, draft_dir: Path, num_prompts: int = MEAS
     tok = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    eos, pad = target.config.eos_token_id, target.config.pad_token_id
     agree = total = ended = 0
     continuations = []
     with torch.inference_mode():
@@ -38,10 +39,10 @@ def measure_agreement(target_dir: Path, draft_dir: Path, num_prompts: int = MEAS
             ids = torch.tensor([chat_ids(tok, text)])  # [1, P]
             out = target.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
-                eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+                eos_token_id=eos, pad_token_id=pad,
             )  # [1, P + n]
             cont = out[0, ids.shape[1]:]  # [n]
-            ended += int(cont.numel() > 0 and cont[-1].item() == EOS_ID)
+            ended += int(cont.numel() > 0 and cont[-1].item() == eos)
             d_logits = draft(input_ids=out).logits[0, ids.shape[1] - 1 : -1]  # [n, V]
             agree += (d_logits.argmax(-1) == cont).sum().item()
             total += cont.numel()
@@ -118,11 +119,11 @@ def measure_forward_latency(model_dirs, batch_sizes=(1, 8), context: int = 32, r
 
 def main(argv: list[str] | None = None) -> int:
     from exspec.demo.build import build_demo_pair
-    from exspec.demo.recipe import RECIPES
+    from exspec.demo.recipe import DEFAULT_SCALE, SCALES
 
     p = argparse.ArgumentParser(prog="python -m exspec.demo.measure", description="Build (or reuse) and measure the demo pair.")
     p.add_argument("--dir", type=Path, default=None, help="pair directory (default: the demo cache)")
-    p.add_argument("--scale", default="full", choices=sorted(RECIPES))
+    p.add_argument("--scale", default=DEFAULT_SCALE, choices=SCALES)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
     p.add_argument("--num-prompts", type=int, default=MEASURE_PROMPTS)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from exspec.config import DEFAULT_DEMO
 from exspec.errors import DemoBuildError
 
-FORMAT_VERSION = 3  # bump when anything that changes the weights changes: older caches are rebuilt, never reused
+FORMAT_VERSION = 4  # bump when anything that changes the weights changes: older caches are rebuilt, never reused
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,8 @@ class DemoRecipe:
 
 
 RECIPES = {
-    "full": DemoRecipe(
+    # The toy pair (`exspec demo-models --tiny`, `--demo tiny`): both models trained here from nothing.
+    "tiny": DemoRecipe(
         vocab_size=2048,
         target=ModelShape(hidden=256, layers=4, intermediate=768, heads=4, kv_heads=2),
         draft=ModelShape(hidden=128, layers=1, intermediate=384, heads=2, kv_heads=1),
@@ -72,8 +74,49 @@ RECIPES = {
 }
 
 
-def recipe_for(scale: str) -> DemoRecipe:
+@dataclass(frozen=True)
+class ImitationRecipe:
+    """The real pair: a pretrained target (SmolLM2-135M-Instruct) and a draft distilled here to imitate it
+    (demo/imitate.py). Everything that decides the draft's weights besides the seed and the target."""
+
+    draft: ModelShape  # the draft's shape (vocabulary, tokens and RoPE: the target's)
+    train_prompts: int  # held-in chat prompts the target continues (SpecBench first turns, then docs questions)
+    new_tokens: int  # greedy tokens the target writes per training prompt
+    heldout_prompts: int  # held-out prompts (measure.py's SpecBench questions) for the recorded agreement
+    heldout_new_tokens: int  # greedy tokens per held-out prompt
+    topk: int  # teacher log-probabilities kept per generated position
+    generate_batch: int  # prompts per target generate() call
+    steps: int  # draft AdamW steps
+    batch_size: int  # sequences per step
+    lr: float  # peak learning rate (linear warm-up, cosine decay to lr / 10)
+    warmup: int  # warm-up steps
+    threads: int  # torch intra-op threads at most (fewer when the cores are busy; see threads.py)
+
+
+DEFAULT_SCALE = DEFAULT_DEMO  # what `exspec demo-models` and `exspec serve` without --model build
+IMITATION_RECIPES = {
+    "smollm2": ImitationRecipe(
+        draft=ModelShape(hidden=256, layers=2, intermediate=768, heads=4, kv_heads=4),
+        train_prompts=128,
+        new_tokens=96,
+        heldout_prompts=16,
+        heldout_new_tokens=48,
+        topk=32,
+        generate_batch=32,
+        steps=240,
+        batch_size=8,
+        lr=2e-3,
+        warmup=10,
+        threads=2,
+    ),
+}
+SCALES = (*IMITATION_RECIPES, *RECIPES)
+
+
+def recipe_for(scale: str) -> DemoRecipe | ImitationRecipe:
     """The recipe of `scale`, or DemoBuildError naming the allowed scales."""
+    if scale in IMITATION_RECIPES:
+        return IMITATION_RECIPES[scale]
     if scale not in RECIPES:
-        raise DemoBuildError(f"scale must be one of {sorted(RECIPES)}, got {scale!r}")
+        raise DemoBuildError(f"scale must be one of {', '.join(SCALES)}, got {scale!r}")
     return RECIPES[scale]

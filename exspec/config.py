@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from exspec.engine.config import EngineConfig
     from exspec.scheduler.types import SchedulerConfig
 
+DEMO_PAIRS = ("smollm2", "tiny")  # the built-in pairs (exspec.demo.recipe's scales a user may pick)
+DEFAULT_DEMO = "smollm2"  # SmolLM2-135M-Instruct and a draft distilled from it
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 SPECULATION_MODES = ("auto", "fixed", "adaptive")
 DEFAULT_SPECULATION = "auto"  # the scheduler's own default (SchedulerConfig.speculation): k from measured goodput
@@ -45,6 +47,7 @@ class Settings(BaseSettings):
     model: Path | None = None  # target model directory or .gguf file; None: the built-in demo pair
     draft_model: Path | None = None  # draft model directory or .gguf file; None with --model: plain decoding
     served_model_name: str | None = None  # default: the target directory's name ("exspec-demo" for the demo)
+    demo: str = DEFAULT_DEMO  # which built-in demo pair serves without --model: smollm2 | tiny
     # the engine
     device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bfloat16 on cuda, float32 on cpu) or one of DTYPES
@@ -102,6 +105,8 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"log_level must be critical, error, warning, info, debug or trace, got {self.log_level!r}"
             )
+        if self.demo not in DEMO_PAIRS:
+            raise ValueError(f"demo must be one of {', '.join(DEMO_PAIRS)}, got {self.demo!r}")
         if self.draft_model is not None and self.model is None:
             raise ValueError("draft_model needs model (without --model the built-in demo pair is used)")
         return self

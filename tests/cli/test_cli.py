@@ -88,8 +88,12 @@ def test_no_model_serves_the_demo_pair_and_the_docs_example_runs(monkeypatch, pa
     import exspec.demo
     from exspec.cli.serve import build_server
 
-    monkeypatch.setattr(exspec.demo, "ensure_demo_pair", lambda progress=True: pair)
+    asked = []
+    monkeypatch.setattr(exspec.demo, "ensure_demo_pair", lambda progress=True, scale="?": asked.append(scale) or pair)
     server = build_server(_settings("--max-model-len", "160"))
+    assert asked == ["smollm2"]  # the real pair by default; --demo tiny (EXSPEC_DEMO=tiny) picks the toy pair
+    build_server(_settings("--max-model-len", "160", "--demo", "tiny"))
+    assert asked == ["smollm2", "tiny"]
     app = server.config.app
     assert app.state.model_name == "exspec-demo"
     assert (server.config.host, server.config.port) == ("127.0.0.1", 8000)

@@ -61,12 +61,13 @@ def test_tokenizer_specials_and_chat_ids(tok, texts):
 
 def test_recipe_for_names_the_allowed_scales():
     assert recipe.recipe_for("test") is RECIPES["test"]
-    with pytest.raises(DemoBuildError, match=r"scale must be one of \['full', 'test'\], got 'huge'"):
+    assert recipe.recipe_for("smollm2") is recipe.IMITATION_RECIPES["smollm2"]
+    with pytest.raises(DemoBuildError, match=r"scale must be one of smollm2, tiny, test, got 'huge'"):
         recipe.recipe_for("huge")
 
 
 def test_lr_schedule_warms_up_then_decays_to_a_tenth():
-    r = RECIPES["full"]
+    r = RECIPES["tiny"]
     lrs = [train.lr_at(s, r) for s in range(r.steps)]
     assert lrs[0] == pytest.approx(r.lr / r.warmup) and lrs[r.warmup - 1] == pytest.approx(r.lr)
     assert all(a >= b for a, b in zip(lrs[r.warmup :], lrs[r.warmup + 1 :]))
