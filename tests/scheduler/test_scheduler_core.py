@@ -64,7 +64,8 @@ def test_prefill_is_chunked_and_interleaved_with_decoding():
     for _ in range(8):
         _, stats = core.step()
         kinds.append(stats[0].kind)
-    # A 30-token prompt with an 8-token budget takes 4 prefill steps, never two in a row while 0 decodes.
+    # A 30-token prompt with an 8-token budget takes 4 prefill steps; steps reporting equal times (here none)
+    # share the time one for one: never two prefill steps in a row while 0 decodes.
     assert kinds.count("prefill") == 4
     assert all(not (a == b == "prefill") for a, b in zip(kinds, kinds[1:]))
     assert all(len(p.chunks) * max(c.end - c.start for c in p.chunks) <= 8 for p in eng.prefills)  # padded
