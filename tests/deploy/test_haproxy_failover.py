@@ -202,7 +202,9 @@ class Outcome:
 
 
 def stream(url: str, prompt: list[int], max_tokens: int, out: Outcome) -> Outcome:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    # return_token_ids: the prefill's token is an event of its own, even while steps are held
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             out.status = r.status_code
@@ -224,8 +226,11 @@ def stream(url: str, prompt: list[int], max_tokens: int, out: Outcome) -> Outcom
 
 
 def start_streams(url: str, n: int, hold: Path | None = None) -> tuple[list[Outcome], list[threading.Thread]]:
-    """`n` streams, each with its first event; with `hold`, every replica's steps are held from then on (the
-    caller removes the file) so no stream can end before the test acts, however fast the machine is."""
+    """`n` streams, each with its first event (the prefill's token); with `hold`, every replica's steps are
+    held from before they start (the caller removes the file), so no stream can end before the test acts,
+    however fast the machine is."""
+    if hold is not None:
+        hold.touch()
     outs = [Outcome(time.monotonic()) for _ in range(n)]
     threads = [threading.Thread(target=stream, args=(url, [5, 6, 7, 10 + i], STREAM_TOKENS, o), daemon=True)
                for i, o in enumerate(outs)]
@@ -233,8 +238,6 @@ def start_streams(url: str, n: int, hold: Path | None = None) -> tuple[list[Outc
         t.start()
     for o in outs:
         assert o.first_event.wait(60), "a stream got no event within 60 s"
-    if hold is not None:
-        hold.touch()
     assert all(o.kind != "completed" and o.transport_error is None for o in outs), \
         "a stream had already ended before the signal: nothing would be tested"
     return outs, threads
