@@ -123,7 +123,7 @@ def test_serve_process_drains_on_sigterm_and_exits_0(pair, tmp_path):
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(base, proc=proc)
+        wait_healthy(base, timeout=600, proc=proc)  # a loaded machine starts slowly
         hold.touch()
         lines: list[str] = []
         first = threading.Event()

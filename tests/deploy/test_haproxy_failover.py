@@ -226,11 +226,10 @@ def stream(url: str, prompt: list[int], max_tokens: int, out: Outcome) -> Outcom
 
 
 def start_streams(url: str, n: int, hold: Path | None = None) -> tuple[list[Outcome], list[threading.Thread]]:
-    """`n` streams, each with its first event (the prefill's token); with `hold`, every replica's steps are
-    held from before they start (the caller removes the file), so no stream can end before the test acts,
-    however fast the machine is."""
-    if hold is not None:
-        hold.touch()
+    """`n` streams, each with its first event; with `hold`, every replica's steps are held from then on (the
+    caller removes the file), so no stream can end after that before the test acts. (Held from before the
+    streams start, later arrivals would never be prefilled: prefill and decode steps share the engine's time,
+    and a held decode step holds both.)"""
     outs = [Outcome(time.monotonic()) for _ in range(n)]
     threads = [threading.Thread(target=stream, args=(url, [5, 6, 7, 10 + i], STREAM_TOKENS, o), daemon=True)
                for i, o in enumerate(outs)]
@@ -238,6 +237,8 @@ def start_streams(url: str, n: int, hold: Path | None = None) -> tuple[list[Outc
         t.start()
     for o in outs:
         assert o.first_event.wait(60), "a stream got no event within 60 s"
+    if hold is not None:
+        hold.touch()
     assert all(o.kind != "completed" and o.transport_error is None for o in outs), \
         "a stream had already ended before the signal: nothing would be tested"
     return outs, threads

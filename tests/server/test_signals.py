@@ -64,7 +64,7 @@ def test_second_signal_ends_every_stream_cleanly(pair, tmp_path):
         return text in Path(log.name).read_text()
 
     try:
-        wait_healthy(base, proc=proc)
+        wait_healthy(base, timeout=600, proc=proc)  # a loaded machine starts slowly
         hold.touch()  # from here on no decode step runs: no stream can finish
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(streams))]
         threads.append(threading.Thread(target=plain))
