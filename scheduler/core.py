@@ -24,6 +24,9 @@ from exspec.scheduler.types import RequestOutput, SchedulerConfig, StepStats
 
 log = logging.getLogger("exspec.scheduler")
 
+PREFILL_TIME_SHARE = 0.5  # of the engine's time that waiting prompts get while sequences decode
+MIN_STEP_S = 1e-6  # a step reported as taking no time is charged this much (equal costs: steps alternate)
+
 
 class EngineProtocol(Protocol):
     """What the scheduler needs from an engine (`exspec.engine.SpecEngine`, or a fake in tests): sequences
@@ -82,7 +85,7 @@ class SchedulerCore:
         self.pool: list[Request] = []  # admitted: prefilling or running, in arrival order
         self._by_seq: dict[int, Request] = {}  # engine sequence id -> request, while admitted
         self._next_seq_id = 0
-        self._last_was_prefill = False
+        self._prefill_credit = 0.0  # seconds of engine time prefill may still take before decode's turn
         self._pending: list[Delta] = []  # deltas of requests that failed outside a step's results
         self.num_left_waiting = 0  # requests that left `waiting` (admitted or aborted): monotonic
         self.num_preemptions = 0  # running sequences sent back to `waiting` to be recomputed: monotonic
@@ -144,13 +147,30 @@ class SchedulerCore:
         running = [r for r in self.pool if r.state is RequestState.RUNNING]
         deltas: list[Delta] = []
         stats: list[StepStats] = []
-        # Interleave: never two prefill steps in a row while sequences are decoding.
-        if prefilling and (not running or not self._last_was_prefill):
+        prefill = bool(prefilling) and (not running or self._prefill_credit >= 0.0)
+        if prefill:
             deltas, stats = self._prefill_step(prefilling, t0)
         elif running:
             deltas, stats = self._decode_step(running, t0)
+        self._share_time(bool(prefilling and running), prefill, stats)
         pending, self._pending = self._pending, []
         return pending + deltas, stats
+
+    def _share_time(self, contended: bool, was_prefill: bool, stats: list[StepStats]) -> None:
+        """Prefill gets its share of time, not of steps. While prompts wait to be prefilled and sequences
+        decode, each decode step earns prefill share / (1 - share) of its engine time as credit and each
+        prefill step spends its own; prefill runs while the credit is >= 0. So waiting prompts get
+        PREFILL_TIME_SHARE of the engine's time however long a decode step is (drafting makes it longer),
+        and a running sequence waits between two decode steps at most one decode step's worth of prefill
+        plus one chunk (bounded by max_prefill_tokens). Times are the engine's reported forward seconds."""
+        if not contended:  # nothing to share: the next contention starts even
+            self._prefill_credit = 0.0
+            return
+        seconds = max(MIN_STEP_S, sum(s.draft_s + s.verify_s for s in stats))
+        if was_prefill:
+            self._prefill_credit -= seconds
+        else:
+            self._prefill_credit += seconds * PREFILL_TIME_SHARE / (1.0 - PREFILL_TIME_SHARE)
 
     def _admit(self) -> None:
         """Admit waiting requests in FIFO order while a slot, room in the pool and the KV blocks of the
@@ -236,7 +256,6 @@ class SchedulerCore:
         draft = self.speculation.drafting()  # False: the policy runs without drafts; steps that draft catch up
         ends = {r.seq_id: min(r.prompt_len, r.num_prefilled + width) for r in reqs}  # seq_id -> end of this chunk
         t1 = time.perf_counter()
-        self._last_was_prefill = True
 
         def call(batch: list[Request]) -> StepOutput:
             chunks = tuple(PrefillChunk(r.seq_id, r.num_prefilled, ends[r.seq_id]) for r in batch)
@@ -266,7 +285,6 @@ class SchedulerCore:
         if not chosen:
             return [], []
         t1 = time.perf_counter()
-        self._last_was_prefill = False
 
         def call(batch: list[Request]) -> StepOutput:
             return self.engine.step(StepBatch(tuple(r.seq_id for r in batch), k))

@@ -1,22 +1,33 @@
 #!/usr/bin/env bash
-# Interleaved load-test A/B (docs/BENCHMARKS.md, "The server under load"): the default server against speculation
-# off, a burst of 64 then Poisson 4 req/s, three rounds, a fresh server per round and mode.
-#   bash scripts/loadtest_ab.sh REFERENCE.jsonl OUT_DIR      (write the reference with exspec bench --write-reference)
+# Interleaved load-test A/B (docs/BENCHMARKS.md): server A (default flags) against server B (speculation off),
+# a burst then Poisson 4 req/s, three rounds, a fresh server per round and server; then the comparison
+# (python -m exspec.loadtest.compare: per metric the medians over rounds and each round's ratio A/B).
+#   bash scripts/loadtest_ab.sh OUT_DIR [loadtest args...]
+#     e.g. ... OUT --reference ref64.jsonl                    (write it with exspec bench --write-reference)
+#     or   ... OUT --tokenizer ~/.cache/exspec/demo/target --chat-template --max-tokens 64
+# Environment: A_FLAGS (default ""), B_FLAGS (default "--num-speculative-tokens 0"), ROUNDS (3),
+# RATES ("inf 4"), PORT (8011).
 set -u
 cd "$(dirname "$0")/.."
-ref=$1; out=$2; mkdir -p "$out"
-for r in 1 2 3; do
+out=$1; shift; mkdir -p "$out"
+A_FLAGS=${A_FLAGS-}; B_FLAGS=${B_FLAGS---num-speculative-tokens 0}; ROUNDS=${ROUNDS:-3}; RATES=${RATES:-inf 4}
+PORT=${PORT:-8011}
+for r in $(seq "$ROUNDS"); do
   for mode in default k0; do
-    extra=""; [ $mode = k0 ] && extra="--num-speculative-tokens 0"
-    .venv/bin/exspec serve --port 8011 --log-level warning $extra > "$out/serve.log" 2>&1 &
+    flags=$A_FLAGS; [ $mode = k0 ] && flags=$B_FLAGS
+    # shellcheck disable=SC2086
+    .venv/bin/exspec serve --port "$PORT" --log-level warning $flags > "$out/serve-$mode-$r.log" 2>&1 &
     pid=$!
-    for i in $(seq 60); do curl -sf localhost:8011/health >/dev/null && break; sleep 1; done
-    for rate in inf 4; do
+    for _ in $(seq 120); do curl -sf "localhost:$PORT/health" >/dev/null && break; sleep 1; done
+    for rate in $RATES; do
       load=$(cut -d' ' -f1 /proc/loadavg)
-      .venv/bin/python -m exspec.loadtest --base-url http://127.0.0.1:8011/v1 --reference "$ref" \
-        --request-rate $rate --no-progress --output "$out/$mode-$rate-$r.json" > /dev/null 2>&1
-      echo "$r $mode rate=$rate load=$load rc=$?"
+      .venv/bin/python -m exspec.loadtest --base-url "http://127.0.0.1:$PORT/v1" --request-rate "$rate" \
+        --no-progress --output "$out/$mode-$rate-$r.json" "$@" > "$out/$mode-$rate-$r.txt" 2>&1
+      rc=$?
+      echo "round $r $mode rate=$rate load=$load rc=$rc $(.venv/bin/python -c "import json,sys; m=json.load(open(sys.argv[1])); print(' '.join(f'{k}={m[k]:.1f}' for k in ('output_throughput','mean_ttft_ms','p90_ttft_ms','p50_itl_ms','p99_itl_ms','p50_e2el_ms','p90_e2el_ms')))" "$out/$mode-$rate-$r.json" 2>/dev/null)"
     done
     kill $pid; wait $pid
   done
 done
+echo "A = default: ${A_FLAGS:-(default flags)}; B = k0: $B_FLAGS; load now $(cut -d' ' -f1-3 /proc/loadavg)"
+.venv/bin/python -m exspec.loadtest.compare "$out" default k0

@@ -15,6 +15,7 @@ import pytest
 
 from exspec.cli.main import build_parser, main
 from exspec.cli.flags import settings_from_args
+from tests.support.gates import wait_until
 from tests.support.server_fixtures import free_port, serve_in_thread, wait_healthy
 from tests.support.tiny_models import build_pair
 
@@ -108,21 +109,27 @@ def test_no_model_serves_the_demo_pair_and_the_docs_example_runs(monkeypatch, pa
 
 
 def test_serve_process_drains_on_sigterm_and_exits_0(pair, tmp_path):
+    """Steps are held (tests.support.gated_serve) from before the request until the drain has refused a late
+    one: the stream is always mid-run at SIGTERM and the server always still draining, however fast."""
     target, draft = pair
     port = free_port()
+    hold = tmp_path / "hold-steps"
     env = {**os.environ, "EXSPEC_SERVED_MODEL_NAME": "tiny-env", "EXSPEC_PORT": "1", "EXSPEC_SHUTDOWN_TIMEOUT": "30",
            "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "exspec", "serve", "--model", str(target), "--draft-model", str(draft),
-           "--port", str(port), "--max-model-len", "160", "--max-batch-size", "2", "--pool-size", "2"]
+    cmd = [sys.executable, "-m", "tests.support.gated_serve", str(hold), "serve", "--model", str(target),
+           "--draft-model", str(draft), "--port", str(port), "--max-model-len", "160", "--max-batch-size", "2",
+           "--pool-size", "2"]
     log = (tmp_path / "serve.log").open("w+")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(base, proc=proc)
+        wait_healthy(base, timeout=600, proc=proc)  # a loaded machine starts slowly
+        hold.touch()
         lines: list[str] = []
         first = threading.Event()
+        # return_token_ids: the prefill's token is an event of its own, while steps are held
         body = {"model": "tiny-env", "prompt": [5, 6, 7], "max_tokens": 150, "temperature": 0, "ignore_eos": True,
-                "stream": True}
+                "stream": True, "return_token_ids": True}
 
         def stream() -> None:
             with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
@@ -135,14 +142,14 @@ def test_serve_process_drains_on_sigterm_and_exits_0(pair, tmp_path):
         t.start()
         assert first.wait(60)
         proc.send_signal(signal.SIGTERM)
-        try:  # while draining, new requests are refused with 503 (or find the port closed once it is done)
-            late = httpx.post(base + "/v1/completions", json={"prompt": [5], "max_tokens": 1}, timeout=10)
-            assert late.status_code == 503, late.text
-        except httpx.TransportError:
-            pass
+        wait_until(lambda: "draining: no new requests" in Path(log.name).read_text(), what="the drain to begin")
+        late = httpx.post(base + "/v1/completions", json={"prompt": [5], "max_tokens": 1}, timeout=10)
+        assert late.status_code == 503, late.text  # while draining, new requests are refused
+        hold.unlink()
         t.join(60)
         assert proc.wait(60) == 0
     finally:
+        hold.unlink(missing_ok=True)
         if proc.poll() is None:
             proc.kill()
             proc.wait()

@@ -93,6 +93,7 @@ class Topology:
     run_dir: Path
     url: str  # http://127.0.0.1:PORT (HAProxy)
     log: Path
+    hold: Path  # while this file exists, every replica's speculative steps are held (tests/support/hold_hook)
 
     def state(self) -> dict:
         return json.loads((self.run_dir / "state.json").read_text())
@@ -142,18 +143,24 @@ def topo(pair, tmp_path_factory):
     proxy_port = _free_consecutive_ports(3)
     env = {k: v for k, v in os.environ.items() if not k.startswith("EXSPEC_")}
     env["OMP_NUM_THREADS"] = "1"
+    # Every replica's steps are held while this file exists (tests/support/hold_hook, test-only).
+    hold = run_dir / "hold-steps"
+    env["EXSPEC_TEST_HOLD_FILE"] = str(hold)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "support" / "hold_hook"), str(ROOT),
+                                         *filter(None, [env.get("PYTHONPATH")])])
     cmd = [sys.executable, str(SCRIPT), "--replicas", "2", "--port", str(proxy_port), "--haproxy", haproxy,
            "--first-replica-port", str(proxy_port + 1), "--run-dir", str(run_dir), "--startup-timeout", "120",
            "--stop-timeout", "45", "--", "--model", str(target), "--draft-model", str(draft), *SERVE]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    t = Topology(proc, run_dir, f"http://127.0.0.1:{proxy_port}", log)
+    t = Topology(proc, run_dir, f"http://127.0.0.1:{proxy_port}", log, hold)
     try:
         _wait(lambda: "replicas: ready" in t.output() or proc.poll() is not None, 150, "the topology to start", 0.2)
         assert proc.poll() is None, t.output()
         yield t
     finally:
+        hold.unlink(missing_ok=True)
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             try:
@@ -195,7 +202,9 @@ class Outcome:
 
 
 def stream(url: str, prompt: list[int], max_tokens: int, out: Outcome) -> Outcome:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    # return_token_ids: the prefill's token is an event of its own, even while steps are held
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             out.status = r.status_code
@@ -216,7 +225,11 @@ def stream(url: str, prompt: list[int], max_tokens: int, out: Outcome) -> Outcom
     return out
 
 
-def start_streams(url: str, n: int) -> tuple[list[Outcome], list[threading.Thread]]:
+def start_streams(url: str, n: int, hold: Path | None = None) -> tuple[list[Outcome], list[threading.Thread]]:
+    """`n` streams, each with its first event; with `hold`, every replica's steps are held from then on (the
+    caller removes the file), so no stream can end after that before the test acts. (Held from before the
+    streams start, later arrivals would never be prefilled: prefill and decode steps share the engine's time,
+    and a held decode step holds both.)"""
     outs = [Outcome(time.monotonic()) for _ in range(n)]
     threads = [threading.Thread(target=stream, args=(url, [5, 6, 7, 10 + i], STREAM_TOKENS, o), daemon=True)
                for i, o in enumerate(outs)]
@@ -224,6 +237,8 @@ def start_streams(url: str, n: int) -> tuple[list[Outcome], list[threading.Threa
         t.start()
     for o in outs:
         assert o.first_event.wait(60), "a stream got no event within 60 s"
+    if hold is not None:
+        hold.touch()
     assert all(o.kind != "completed" and o.transport_error is None for o in outs), \
         "a stream had already ended before the signal: nothing would be tested"
     return outs, threads
@@ -305,13 +320,14 @@ def test_load_test_through_the_proxy_equals_the_target_alone(topo, reference, tm
 
 def test_sigterm_drains_in_flight_streams_and_leaves_rotation(topo):
     topo.all_up()
-    outs, threads = start_streams(topo.url, STREAMS)
+    outs, threads = start_streams(topo.url, STREAMS, topo.hold)
     victim = victim_of(outs)
     survivor = "replica-2" if victim == "replica-1" else "replica-1"
     on_victim = [o for o in outs if o.replica == victim]
     pid = topo.pid(victim)
     t0 = time.monotonic()
-    os.kill(pid, signal.SIGTERM)
+    os.kill(pid, signal.SIGTERM)  # its streams are in flight: steps are held
+    topo.hold.unlink()  # the drain lets them run to their end
 
     # Meanwhile: new requests, one every 0.1 s, and HAProxy's view of the victim.
     down_at: list[float] = []
@@ -328,7 +344,9 @@ def test_sigterm_drains_in_flight_streams_and_leaves_rotation(topo):
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     later: list[Outcome] = []
-    while time.monotonic() - t0 < 30 and (not down_at or time.monotonic() - down_at[0] < 1.5):
+    # At least 5 (a count, not a time: a loaded machine answers fewer per second), and on until 1.5 s after
+    # HAProxy took the victim out.
+    while time.monotonic() - t0 < 60 and (len(later) < 5 or not down_at or time.monotonic() - down_at[0] < 1.5):
         later.append(stream(topo.url, [9, len(later) % 50], 4, Outcome(time.monotonic())))
         time.sleep(0.1)
     watcher.join(5)
@@ -361,10 +379,11 @@ def test_sigterm_drains_in_flight_streams_and_leaves_rotation(topo):
 
 def test_sigkill_fails_in_flight_streams_visibly_and_later_requests_succeed(topo):
     topo.all_up()
-    outs, threads = start_streams(topo.url, STREAMS)
+    outs, threads = start_streams(topo.url, STREAMS, topo.hold)
     victim = victim_of(outs)
     on_victim = [o for o in outs if o.replica == victim]
-    os.kill(topo.pid(victim), signal.SIGKILL)
+    os.kill(topo.pid(victim), signal.SIGKILL)  # its streams are in flight: steps are held
+    topo.hold.unlink()  # the survivor's streams and later requests go on
     t0 = time.monotonic()
     later = [stream(topo.url, [9, i], 4, Outcome(time.monotonic())) for i in range(6)]
     join(threads)

@@ -25,7 +25,7 @@ API_KEY = "test-key"
 VLLM_KEYS = [
     "duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
     "output_throughput", "total_token_throughput",
-    *[f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p90", "p99")],
+    *[f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p50", "p90", "p99")],
 ]
 
 
@@ -61,6 +61,7 @@ def _check_consistent(r: dict, n: int) -> None:
         (r["total_input_tokens"] + r["total_output_tokens"]) / r["duration"])
     for m in ("ttft", "tpot", "itl", "e2el"):
         assert 0 < r[f"median_{m}_ms"] <= r[f"p90_{m}_ms"] <= r[f"p99_{m}_ms"], m
+        assert r[f"p50_{m}_ms"] == pytest.approx(r[f"median_{m}_ms"]), m
     assert r["mean_ttft_ms"] <= r["mean_e2el_ms"]
     assert r["p99_e2el_ms"] <= r["duration"] * 1000.0 + 1.0
 

@@ -64,7 +64,8 @@ def test_prefill_is_chunked_and_interleaved_with_decoding():
     for _ in range(8):
         _, stats = core.step()
         kinds.append(stats[0].kind)
-    # A 30-token prompt with an 8-token budget takes 4 prefill steps, never two in a row while 0 decodes.
+    # A 30-token prompt with an 8-token budget takes 4 prefill steps; steps reporting equal times (here none)
+    # share the time one for one: never two prefill steps in a row while 0 decodes.
     assert kinds.count("prefill") == 4
     assert all(not (a == b == "prefill") for a, b in zip(kinds, kinds[1:]))
     assert all(len(p.chunks) * max(c.end - c.start for c in p.chunks) <= 8 for p in eng.prefills)  # padded
@@ -189,7 +190,7 @@ async def test_shutdown_lets_running_requests_finish_then_aborts_the_rest():
     await sched.start()
     short = sched.submit([1, 2, 3], SamplingParams(max_tokens=3))
     endless = sched.submit([1, 2, 3], SamplingParams(max_tokens=10**9))
-    await sched.shutdown(timeout=0.3)
+    await sched.shutdown(timeout=2.0)  # ample for the 3 steps of `short` on a loaded machine
     assert [o async for o in short][-1].finish_reason == "length"
     assert [o async for o in endless][-1].finish_reason == "abort"
     assert eng.num_used == 0

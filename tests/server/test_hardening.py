@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from tests.support.gates import gated
 from tests.support.server_fixtures import running_server
 from tests.support.tiny_models import build_pair
 
@@ -108,8 +109,13 @@ class Streams:
 
 def test_hostile_fields_while_streams_run(srv, vocab):
     """The issue's case: top_k 2**63 while streams run killed the step loop. Now every such field is a 400
-    naming it, the streams finish, /health stays 200 and no KV slot leaks."""
+    naming it, the streams finish, /health stays 200 and no KV slot leaks. Once every stream has its first
+    chunk, steps are held until the hostile requests are answered: the streams run throughout."""
+    gate = threading.Event()
+    gate.set()
+    srv.engine.step = gated(srv.engine.step, gate)
     streams = Streams(srv, 4)
+    gate.clear()
     cases = [
         ({"top_k": 2**63, "temperature": 1}, "top_k"),
         ({"top_k": 2**64 + 1}, "top_k"),
@@ -143,7 +149,9 @@ def test_hostile_fields_while_streams_run(srv, vocab):
         for raw in (b'{"prompt": "hi", "temperature": NaN}', b'{"prompt": "hi", "top_p": Infinity}'):
             _err(_post_raw(srv, "/completions", raw), 400)
     finally:
+        gate.set()
         streams.join()
+        del srv.engine.step  # the engine's own method again
     assert streams.finish_reasons() == ["length"] * 4
     assert httpx.get(srv.base_url + "/health").status_code == 200
     assert srv.wait_idle() and srv.engine.allocator.num_used == 0

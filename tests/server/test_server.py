@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-import time
 
 import httpx
 import openai
@@ -16,6 +15,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from exspec.server.metrics import METRIC_NAMES
+from tests.support.gates import gated, signalling, wait_until
 from tests.support.server_fixtures import running_server
 from tests.support.tiny_models import build_pair
 
@@ -220,11 +220,23 @@ def test_disconnect_mid_stream_frees_the_slot(srv):
     assert after == before + 1
 
 
-def test_disconnect_while_waiting_for_non_stream_response(srv):
+def test_disconnect_while_waiting_for_non_stream_response(srv, monkeypatch):
+    """Steps are held until the server has aborted the request: the answer cannot come before the client
+    leaves, and the request must end as an abort (not run to its length) however fast the machine is."""
+    key = ("exspec_request_success_total", (("finished_reason", "abort"),))
+    before = _scrape(srv.base_url).get(key, 0)
+    gate, aborted = threading.Event(), threading.Event()
+    monkeypatch.setattr(srv.engine, "step", gated(srv.engine.step, gate))
+    monkeypatch.setattr(srv.scheduler, "abort", signalling(srv.scheduler.abort, aborted))
     body = {"prompt": [5, 6, 7], "max_tokens": MAX_LEN - 4, "temperature": 0, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(srv.v1 + "/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
-    assert srv.wait_idle()
+    try:
+        with pytest.raises(httpx.ReadTimeout):  # no step can run: no answer can come
+            httpx.post(srv.v1 + "/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+        assert aborted.wait(30), "the server did not abort the request of a client that left"
+    finally:
+        gate.set()
+    assert srv.wait_idle(30)
+    assert _scrape(srv.base_url)[key] == before + 1
 
 
 # ------------------------------------------------------------------------------------------ errors
@@ -347,7 +359,8 @@ def test_api_key_queue_full_and_drain(pair):
         assert httpx.get(s.base_url + "/metrics").status_code == 200
         client = openai.OpenAI(base_url=s.v1, api_key="sekret", max_retries=0)
         assert client.models.list().data[0].id == "tiny"
-        s.engine.step = _slowed(s.engine.step, 0.02)  # so that the pool and the queue stay full a while
+        gate = threading.Event()  # steps are held until the drain has begun: the pool and the queue stay full
+        s.engine.step = gated(s.engine.step, gate)
 
         long = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 60, "temperature": 0, "ignore_eos": True,
                 "stream": True}
@@ -360,22 +373,23 @@ def test_api_key_queue_full_and_drain(pair):
 
         running = threading.Thread(target=stream, args=("running",))
         running.start()
-        _wait(lambda: s.scheduler.num_running == 1)
+        wait_until(lambda: s.scheduler.num_running == 1, what="the first request to be admitted")
         waiting = threading.Thread(target=stream, args=("waiting",))
         waiting.start()
-        _wait(lambda: s.scheduler.num_waiting == 1)
+        wait_until(lambda: s.scheduler.num_waiting == 1, what="the second request to queue")
         with pytest.raises(openai.RateLimitError) as busy:
             client.completions.create(model="tiny", prompt="hi", max_tokens=2)
         assert busy.value.response.headers["retry-after"] == "1"
 
         # SIGTERM's path: stop admitting, let both finish, then stop.
         assert s.app.state.lifecycle.drain_threadsafe(on_done=lambda: setattr(s.server, "should_exit", True))
-        _wait(lambda: not s.scheduler.is_accepting)
+        wait_until(lambda: not s.scheduler.is_accepting, what="the drain to begin")
         health = httpx.get(s.base_url + "/health")
         assert health.status_code == 503 and health.headers["retry-after"] == "5"
         with pytest.raises(openai.InternalServerError) as e:
             client.completions.create(model="tiny", prompt="hi", max_tokens=2)
         assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "5"
+        gate.set()
         running.join(60)
         waiting.join(60)
         s.thread.join(30)
@@ -386,30 +400,25 @@ def test_api_key_queue_full_and_drain(pair):
 
 
 def test_drain_timeout_aborts_running_requests(pair):
+    """Steps are held from the start until the drain (timeout 0) has asked for the abort: the request cannot
+    finish first, however fast the machine is."""
     target, draft = pair
     with running_server(target, draft, max_model_len=MAX_LEN, max_batch_size=1, pool_size=1,
                         shutdown_timeout=0) as s:
+        gate = threading.Event()
+        s.engine.step = gated(s.engine.step, gate)
         body = {"prompt": [5, 6, 7], "max_tokens": MAX_LEN - 4, "temperature": 0, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", s.v1 + "/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            next(line for line in lines if line.startswith("data:"))
+            assert r.status_code == 200
+            wait_until(lambda: s.scheduler.num_running == 1, what="the request to be admitted")
             s.app.state.lifecycle.drain_threadsafe(on_done=lambda: None)
-            rest = [line for line in lines if line.startswith("data:")]
+            # shutdown(0) stops admitting, then queues the abort (which the worker may already have taken, if it
+            # was still prefilling: then the request is aborted already)
+            sch = s.scheduler
+            wait_until(lambda: not sch.is_accepting and (not sch._inbox.empty() or sch.num_running == 0),
+                       what="the drain's abort")
+            gate.set()
+            rest = [line for line in r.iter_lines() if line.startswith("data:")]
         assert rest[-1] == "data: [DONE]"
         assert '"finish_reason":"abort"' in rest[-2]
         assert s.engine.allocator.num_used == 0
-
-
-def _wait(cond, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
-def _slowed(fn, seconds: float):
-    def slow(*args, **kwargs):
-        time.sleep(seconds)
-        return fn(*args, **kwargs)
-
-    return slow

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.gates import wait_until
 from tests.support.server_fixtures import free_port, wait_healthy
 from tests.support.tiny_models import build_pair
 
@@ -28,14 +29,18 @@ def pair(tmp_path_factory):
 
 
 def test_second_signal_ends_every_stream_cleanly(pair, tmp_path):
-    """SIGTERM then SIGINT (Ctrl+C after a `kill`): both signals are handled, in one process start."""
+    """SIGTERM then SIGINT (Ctrl+C after a `kill`): both signals are handled, in one process start.
+
+    The server's steps are held (tests.support.gated_serve) from before the requests until every stream has
+    ended, so the second signal always finds all of them open, however fast the machine is."""
     target, draft = pair
     port = free_port()
+    hold = tmp_path / "hold-steps"
     env = {k: v for k, v in os.environ.items() if not k.startswith("EXSPEC_") or k == "EXSPEC_CACHE"}
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "exspec", "serve", "--model", str(target), "--draft-model", str(draft),
-           "--port", str(port), "--max-model-len", "160", "--max-batch-size", "1", "--pool-size", "1",
-           "--shutdown-timeout", "60"]
+    cmd = [sys.executable, "-m", "tests.support.gated_serve", str(hold), "serve", "--model", str(target),
+           "--draft-model", str(draft), "--port", str(port), "--max-model-len", "160", "--max-batch-size", "1",
+           "--pool-size", "1", "--shutdown-timeout", "60", "--log-level", "info"]
     log = (tmp_path / "serve.log").open("w+")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
@@ -54,22 +59,29 @@ def test_second_signal_ends_every_stream_cleanly(pair, tmp_path):
     def plain() -> None:
         answered.append(httpx.post(base + "/v1/completions", json=body, timeout=60))
 
+    def logged(text: str) -> bool:
+        log.flush()
+        return text in Path(log.name).read_text()
+
     try:
-        wait_healthy(base, proc=proc)
+        wait_healthy(base, timeout=600, proc=proc)  # a loaded machine starts slowly
+        hold.touch()  # from here on no decode step runs: no stream can finish
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(streams))]
         threads.append(threading.Thread(target=plain))
         for t in threads:
             t.start()
-        started.wait(30)  # 1 running (one slot), 2 streams and 1 plain request waiting
+        started.wait(30)  # 1 running (one slot), 2 streams waiting; the plain request waits or is refused
         proc.send_signal(signal.SIGTERM)  # drain: all four would be served to the end (60 s allowed)
-        time.sleep(0.3)
+        wait_until(lambda: logged("draining (a second signal"), what="the first signal to be handled")
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        status = proc.wait(30)
-        stopped_in = time.monotonic() - t0
         for t in threads:
             t.join(30)
+        hold.unlink()  # every request has its answer; let the step loop reach its abort and stop
+        status = proc.wait(30)
+        stopped_in = time.monotonic() - t0
     finally:
+        hold.unlink(missing_ok=True)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
@@ -88,8 +100,7 @@ def test_second_signal_ends_every_stream_cleanly(pair, tmp_path):
             cut += 1
         else:
             assert last["choices"][0]["finish_reason"] == "length"
-    assert cut >= 2, "the second signal came after the streams had finished: nothing was tested"
-    assert len(answered) == 1 and answered[0].status_code in (503, 200), out
-    if answered[0].status_code == 503:
-        assert answered[0].headers["retry-after"]
+    assert cut == len(streams), out  # steps were held: every stream was still open at the second signal
+    assert len(answered) == 1 and answered[0].status_code == 503, out
+    assert answered[0].headers["retry-after"]
     assert "ending every open request now" in out

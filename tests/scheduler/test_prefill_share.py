@@ -1,0 +1,137 @@
+"""Prefill gets its share of the engine's time, not of its steps (issue 22), model-free: a fake engine whose
+steps report fixed durations, and a simulated clock that advances by exactly what each step reports (no
+wall clock anywhere)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from exspec.engine.params import SamplingParams
+from exspec.scheduler import SchedulerConfig, SchedulerCore
+from exspec.scheduler.core import PREFILL_TIME_SHARE
+from exspec.scheduler.request import Request
+from tests.support.fake_engine import FakeEngine
+
+PREFILL_S_PER_TOKEN = 0.0001  # a prefill chunk of 512 tokens reports 51.2 ms
+DECODE_S = 0.010  # a decode step without drafts
+DRAFT_S = 0.010  # each draft token adds this to a decode step (k = 4: 50 ms, 5x a plain step)
+
+
+class TimedEngine(FakeEngine):
+    """FakeEngine whose prefill reports time proportional to the tokens (padding included) and whose
+    decode step reports DECODE_S + k * DRAFT_S."""
+
+    def __init__(self, **kw):
+        super().__init__(step_seconds=lambda n, k: DECODE_S + k * DRAFT_S, accept=lambda s, k: k, **kw)
+
+    def prefill(self, batch):
+        out = super().prefill(batch)
+        width = max(c.end - c.start for c in batch.chunks)
+        return replace(out, draft_s=0.0, verify_s=len(batch.chunks) * width * PREFILL_S_PER_TOKEN)
+
+
+def _req(i: int, prompt_len: int, max_tokens: int) -> Request:
+    return Request(str(i), [1 + (j % 90) for j in range(prompt_len)], SamplingParams(max_tokens=max_tokens,
+                                                                                     ignore_eos=True), order=i)
+
+
+class Run:
+    """Drives a core step by step on the simulated clock; records when each request emitted tokens and how
+    the engine's time went to prefill and decode while both had work."""
+
+    def __init__(self, k: int, **cfg):
+        self.engine = TimedEngine(num_slots=128, max_model_len=10_000)
+        config = SchedulerConfig(num_speculative_tokens=k, speculation="fixed", **cfg)
+        self.core = SchedulerCore(self.engine, config)
+        self.now = 0.0
+        self.emitted: dict[str, list[float]] = {}  # request id -> simulated time of each delta with tokens
+        self.contended = {"prefill": 0.0, "decode": 0.0}  # engine seconds while prompts waited and rows ran
+
+    def add(self, req: Request) -> None:
+        self.core.add(req)
+
+    def step(self) -> None:
+        prefilling = any(r.num_prefilled < r.prompt_len for r in (*self.core.waiting, *self.core.pool))
+        running = any(r.num_output_tokens > 0 for r in self.core.pool)
+        deltas, stats = self.core.step()
+        seconds = sum(s.draft_s + s.verify_s for s in stats)
+        self.now += seconds
+        if prefilling and running:
+            self.contended["prefill" if stats[0].kind == "prefill" else "decode"] += seconds
+        for req, out in deltas:
+            if out.token_ids:
+                self.emitted.setdefault(req.request_id, []).append(self.now)
+
+    def until(self, done, max_steps: int = 100_000) -> None:
+        for _ in range(max_steps):
+            if done():
+                return
+            self.step()
+        raise AssertionError("did not get there")
+
+    def ttft(self, ids) -> list[float]:
+        return [self.emitted[i][0] for i in ids]
+
+
+def _burst(k: int) -> Run:
+    """8 streams running, then a burst of 48 prompts of 100 to 300 tokens (a pool that holds them all)."""
+    run = Run(k, max_batch_size=8, pool_size=64, max_prefill_tokens=512)
+    for i in range(8):
+        run.add(_req(i, 20, 10_000))
+    run.until(lambda: len(run.emitted) == 8)
+    start = run.now
+    burst = [str(100 + i) for i in range(48)]
+    for i, rid in enumerate(burst):
+        run.add(_req(int(rid), 100 + (i * 37) % 200, 8))
+    run.until(lambda: all(r in run.emitted for r in burst))
+    run.start = start
+    run.burst = burst
+    return run
+
+
+def test_prefill_gets_its_share_of_time_whatever_a_decode_step_costs():
+    for k in (0, 4):
+        run = _burst(k)
+        prefill, decode = run.contended["prefill"], run.contended["decode"]
+        share = prefill / (prefill + decode)
+        # Within one step of the exact share: the last decode step or prefill chunk may overshoot.
+        slack = max(DECODE_S + k * DRAFT_S, 512 * PREFILL_S_PER_TOKEN) / (prefill + decode)
+        assert abs(share - PREFILL_TIME_SHARE) <= slack, (k, share, slack)
+
+
+def test_a_burst_waits_no_longer_for_its_first_token_with_speculation():
+    """Decode steps with k = 4 report 5x the time of k = 0 ones; the burst's time to first token must not
+    grow with them (one for one step alternation gave 1.7x the mean here)."""
+    plain, spec = _burst(0), _burst(4)
+    ttft_plain = [t - plain.start for t in plain.ttft(plain.burst)]
+    ttft_spec = [t - spec.start for t in spec.ttft(spec.burst)]
+    mean_plain, mean_spec = sum(ttft_plain) / len(ttft_plain), sum(ttft_spec) / len(ttft_spec)
+    # At most one speculative decode step more (the step running when the burst arrived, say).
+    assert mean_spec <= mean_plain + DECODE_S + 4 * DRAFT_S, (mean_plain, mean_spec)
+    assert max(ttft_spec) <= max(ttft_plain) + DECODE_S + 4 * DRAFT_S, (max(ttft_plain), max(ttft_spec))
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_running_streams_keep_a_bounded_gap_while_a_long_prompt_is_prefilled(k):
+    """8 streams run; a 4000-token prompt arrives (8 chunks of 512 tokens). No running stream waits more
+    than one decode step's worth of prefill plus one chunk between two decode steps, and the long prompt
+    still gets its share: its first token comes within twice its prefill time plus one decode step."""
+    run = Run(k, max_batch_size=8, pool_size=16, max_prefill_tokens=512)
+    for i in range(8):
+        run.add(_req(i, 20, 10_000))
+    run.until(lambda: len(run.emitted) == 8)
+    start = run.now
+    run.add(_req(99, 4000, 4))
+    run.until(lambda: "99" in run.emitted)
+    run.until(lambda: run.now >= run.emitted["99"][0] + 0.1)  # and a little past it
+    decode = DECODE_S + k * DRAFT_S
+    chunk = 512 * PREFILL_S_PER_TOKEN
+    bound = decode + (decode + chunk)  # a decode step, then at most its credit of prefill plus one chunk
+    for i in range(8):
+        times = [t for t in run.emitted[str(i)] if t >= start]
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        assert max(gaps) <= bound + 1e-9, (i, max(gaps), bound)
+    prefill_s = 4000 / 512 * chunk
+    assert run.emitted["99"][0] - start <= prefill_s / PREFILL_TIME_SHARE + decode + 1e-9

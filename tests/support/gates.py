@@ -1,0 +1,59 @@
+"""Explicit control over when an engine step may run, so tests never race generation against the clock.
+
+In-process servers: `gated(engine.step, event)` blocks every step until the test sets the event.
+Server processes: `python -m tests.support.gated_serve HOLD_FILE <exspec args>` runs the ordinary CLI with
+every speculative step held while HOLD_FILE exists (test code only; exspec itself has no hook).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def gated(fn: Callable, gate: threading.Event, timeout: float = 120.0) -> Callable:
+    """`fn`, but each call first waits until `gate` is set (a test that forgets to open it fails loudly)."""
+
+    def call(*args, **kwargs):
+        if not gate.wait(timeout):
+            raise RuntimeError("the test never opened the engine's gate")
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def signalling(fn: Callable, event: threading.Event) -> Callable:
+    """`fn`, setting `event` after each call returns (to wait until something was asked, not for a time)."""
+
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            event.set()
+
+    return call
+
+
+def held_while_exists(fn: Callable, hold: Path, timeout: float = 120.0) -> Callable:
+    """`fn`, but each call first waits while the file `hold` exists (a gate across processes)."""
+
+    def call(*args, **kwargs):
+        deadline = time.monotonic() + timeout
+        while hold.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the test never removed {hold}")
+            time.sleep(0.005)
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
+    """Poll `cond` with a generous deadline: only for states that nothing announces (a log line, a counter)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
