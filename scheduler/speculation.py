@@ -56,6 +56,8 @@ class _Bucket:
     costs: dict[int, deque] = field(default_factory=dict)  # k -> last steady step seconds
     last: dict[int, int] = field(default_factory=dict)  # k -> step of its last sample
     best: int = 0  # k* of the last step that did not explore
+    planned: tuple | None = None  # the last _plan (recomputed every `replan_every` steps and after news)
+    planned_at: int = 0  # the step it was computed at
     burst: tuple[int, int] = (0, 0)  # (k, steps left) of the exploration under way
     exploring: bool = False  # the step chosen last explores
     explore_s: float = 0.0  # seconds of exploring steps (catch-up included)
@@ -87,6 +89,7 @@ class ModelPolicy:
         stale_steps: int = 400,
         share_decay: float = 1 / 256,
         fit_weight: float = 8.0,
+        replan_every: int = 8,
         draft_share: float = 0.1,
     ) -> None:
         self.k_max = k_max
@@ -96,6 +99,7 @@ class ModelPolicy:
         self.prior_slope, self.margin, self.z = prior_slope, margin, z
         self.budget, self.free_steps, self.stale_steps = budget, free_steps, stale_steps
         self.share_decay, self.draft_share, self.fit_weight = share_decay, draft_share, fit_weight
+        self.replan_every = replan_every
         self._tried = [0.0] * (k_max + 1)  # [k_max + 1]: index i = rows that reached draft position i (0 unused)
         self._accepted = [0.0] * (k_max + 1)  # of those, rows whose i-th draft was accepted
         self._rows = 0.0  # rows of drafting steps (decayed)
@@ -189,10 +193,12 @@ class ModelPolicy:
     def plan(self, batch_size: int) -> tuple[int, int | None, dict[int, float]]:
         """(k*, the k worth exploring or None, goodput per row for each k) of a batch size, from the models
         as they stand; k* is 0 until k = 0 is measured in its bucket."""
-        st = self._bucket(bucket(batch_size))
+        return self._plan(self._bucket(bucket(batch_size)))[:3]
+
+    def _plan(self, st: _Bucket) -> tuple[int, int | None, dict[int, float], dict[int, tuple[float, float]]]:
         costs = self._costs(st)
         if not costs:
-            return 0, None, {}
+            return 0, None, {}, costs
         rates, upper = self._acceptance_bounds()
         f = self._draft_fraction()
         goodput, optimistic = {}, {}
@@ -208,7 +214,7 @@ class ModelPolicy:
         bar = (1 + self.margin) * goodput[best]
         worth = [k for k in self.candidates if k != best and optimistic[k] > bar]
         explore = max(worth, key=lambda k: (optimistic[k], -k)) if worth else None
-        return best, explore, goodput
+        return best, explore, goodput, costs
 
     def choose(self, batch_size: int) -> int:
         if self.k_max == 0:
@@ -227,13 +233,14 @@ class ModelPolicy:
         if len(st.costs.get(0, ())) < self.min_samples:  # plain decoding first: the safe incumbent
             st.exploring = False
             return 0
-        best, explore, _ = self.plan(batch_size)
+        if st.planned is None or st.steps - st.planned_at >= self.replan_every:
+            st.planned, st.planned_at = self._plan(st), st.steps
+        best, explore, _, costs = st.planned
         if explore is not None:
             samples = st.costs.get(explore)
             stale = bool(samples) and st.steps - st.last[explore] > self.stale_steps
             n = 0 if stale or not samples else len(samples)
             burst = self.min_samples - n if n < self.min_samples else 1
-            costs = self._costs(st)
             allowed = self.budget * st.total_s + self.free_steps * costs[0][0]
             if st.explore_s + burst * costs[explore][0] <= allowed:
                 if stale:
@@ -255,7 +262,7 @@ class ModelPolicy:
             return True
         wanting = 0.0
         for b, st in self._buckets.items():
-            if st.burst[1] > 0 or len(st.costs.get(0, ())) < self.min_samples or self.plan(b)[0] > 0:
+            if st.burst[1] > 0 or len(st.costs.get(0, ())) < self.min_samples or st.best > 0:
                 wanting += st.share
         total = sum(st.share for st in self._buckets.values())
         return wanting > self.draft_share * total
@@ -282,6 +289,8 @@ class ModelPolicy:
             st.explore_steps += 1
             st.exploring = False
         st.by_k[k] = st.by_k.get(k, 0) + 1
+        if k != st.best:
+            st.planned = None  # a measurement of another k: plan again at once
         steady = seconds - min(catchup_s, 0.9 * seconds)
         st.costs.setdefault(k, deque(maxlen=self.window)).append(steady)
         st.last[k] = st.steps
