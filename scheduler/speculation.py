@@ -16,14 +16,19 @@ it goes unmeasured.
 
 Step cost, per batch-size bucket (powers of two), per k: the median of the last `window` steady step times
 (the step's wall time less the one-off draft catch-up, which is paid once per token whatever k follows;
-k = 0 steps measure the target alone). A k not yet measured in a bucket is predicted from those that are:
-linear between measured neighbours, extrapolated with the slope of the two largest measured k (from k = 0
-at half its slope when one k > 0 is measured, since the first draft pays a fixed jump: a draft forward, a
-second query column), or, with only k = 0 measured, c(0) * (1 + `prior_slope` * k).
+k = 0 steps measure the target alone). Over k > 0 a line a + b * k is fitted through those medians, weighted
+by their sample counts (k draft forwards and k more query columns in the verify; the jump from k = 0, a
+draft forward's fixed cost and the verify's second column, is in a). A measured k's cost is its median
+pulled toward the line (`fit_weight` pseudo-samples), so neighbouring k share their evidence; a k not
+measured is the line's value. With one k > 0 measured the slope is half the one from k = 0 (uncertain);
+with only k = 0 measured, c(0) * (1 + `prior_slope` * k).
 
 Goodput per row: G(k) = (1 + f * (E(k) - 1)) / c(k), f the fraction of rows that draft when k > 0 (rows
 that opted out emit one token whatever k is). The step runs k* = argmax G, and k = 0 unless some k beats
-it by `margin` (near-ties go to plain decoding: it skips the draft's prefill too, `drafting()`).
+it by `margin` (near-ties go to plain decoding: it skips the draft's prefill too, `drafting()`); between two
+k > 0 the one running stays unless the other beats it by `margin`. The plan is computed again every
+`replan_every` steps of a bucket and after any step that measured another k (a plan costs ~0.1 ms of Python,
+a choice from the last one ~0.01 ms).
 
 Exploration, only where the models are uncertain: an optimistic goodput G+(k) (acceptance at its upper
 bound, `z` standard errors; cost at its lower bound: sampling spread over sqrt(n), wider for predicted and
