@@ -99,6 +99,7 @@ def _throughput(args, device: str, dtype: str, repeats: int, resolve_models) -> 
         max_model_len=args.max_model_len,
         warmup=not args.no_warmup,
         attention=getattr(args, "attention_backend", None) or "auto",
+        fixed_ks=args.fixed_ks,
     )
     if args.write_reference is not None and not args.write_reference.resolve().parent.is_dir():
         raise BenchError(f"--write-reference: directory {str(args.write_reference.resolve().parent)!r} does not exist")

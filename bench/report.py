@@ -86,8 +86,45 @@ def markdown(rows: list[dict], meta: dict) -> str:
                 num, den = by.get((a, s)), by.get((b, s))
                 cells.append(f"{num / den:.2f}x" if num is not None and den else "–")
             lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    lines += fixed_ks(rows) + policy_lines(rows)
     lines += efficiency(rows)
     return "\n".join(lines) + "\n"
+
+
+def fixed_ks(rows: list[dict]) -> list[str]:
+    """With --fixed-ks: per batch size, the best fixed k and the default policy (`exspec`) against it."""
+    by = {(r["method"], r["batch_size"]): r["tokens_per_s"] for r in rows}
+    ks = sorted({int(r["method"][len("exspec-fixed-k"):]) for r in rows if r["method"].startswith("exspec-fixed-k")})
+    if not ks:
+        return []
+    lines = ["", "The default policy against each fixed k (tokens/s over tokens/s):", "",
+             "| B | best fixed k | exspec / best fixed | " + " | ".join(f"exspec / k = {k}" for k in ks) + " |",
+             "| ---: | ---: | ---: |" + " ---: |" * len(ks)]
+    for b in sorted({r["batch_size"] for r in rows}):
+        fixed = {k: by[(f"exspec-fixed-k{k}", b)] for k in ks if (f"exspec-fixed-k{k}", b) in by}
+        auto = by.get(("exspec", b))
+        if not fixed or not auto:
+            continue
+        best = max(fixed, key=fixed.get)
+        cells = [f"{auto / fixed[k]:.2f}x" if k in fixed and fixed[k] else "–" for k in ks]
+        lines.append(f"| {b} | {best} | {auto / fixed[best]:.2f}x | " + " | ".join(cells) + " |")
+    return lines
+
+
+def policy_lines(rows: list[dict]) -> list[str]:
+    """What the default policy did, per batch size: steps per k (all runs, warm-up included) and the share of
+    decode seconds it spent exploring."""
+    lines = []
+    for r in rows:
+        for bucket, s in (r.get("policy") or {}).items():
+            steps = ", ".join(f"k = {k}: {n}" for k, n in s["steps_by_k"].items())
+            lines.append(f"| {r['batch_size']} | {bucket} | {steps} | {s['explore_steps']} "
+                         f"| {s['explore_fraction']:.1%} | {s['best_k']} |")
+    if not lines:
+        return []
+    return ["", "The default policy's steps (warm-up and timed runs together):", "",
+            "| B | bucket | steps per k | exploring steps | exploring share of decode seconds | k* now |",
+            "| ---: | ---: | --- | ---: | ---: | ---: |", *lines]
 
 
 def efficiency(rows: list[dict]) -> list[str]:

@@ -89,6 +89,7 @@ class BenchConfig:
     max_model_len: int = 2048  # cap on prompt + max_tokens
     warmup: bool = True  # one untimed short run per (method, B) before the timed ones
     attention: str = "auto"  # the engine's attention backend (engine/backends/)
+    fixed_ks: tuple[int, ...] = ()  # exspec-fixed at each of these k (rows exspec-fixed-kK); (): at k only
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str, value: object) -> None:
@@ -113,18 +114,27 @@ class BenchConfig:
             bad("--repeats", ">= 1", self.repeats)
         if self.dtype not in NEAR_TIE_EPS:
             bad("--dtype", f"one of {sorted(NEAR_TIE_EPS)}", self.dtype)
+        if any(not 0 <= k <= 32 for k in self.fixed_ks):
+            bad("--fixed-ks", "comma-separated integers in [0, 32]", self.fixed_ks)
         needs_draft = [m for m in self.methods if m in DRAFT_METHODS]
         if needs_draft and self.draft_model is None:
             raise BenchError(f"methods {', '.join(needs_draft)} need a draft model: pass --draft-model")
 
     def points(self) -> list[tuple[str, int]]:
-        """(method, batch size) pairs to time, in report order; hf-assisted runs at B = 1 only."""
-        return [
+        """(method, batch size) pairs to time, in report order; hf-assisted runs at B = 1 only; with fixed_ks,
+        exspec-fixed becomes one method per k, named exspec-fixed-kK."""
+        named = [
             (m, b)
             for b in sorted(set(self.batch_sizes))
             for m in METHODS
             if m in self.methods and (m != "hf-assisted" or b == 1)
         ] + ([("hf-assisted", 1)] if "hf-assisted" in self.methods and 1 not in self.batch_sizes else [])
+        ks = sorted(set(self.fixed_ks))
+        return [
+            point
+            for m, b in named
+            for point in ([(f"exspec-fixed-k{k}", b) for k in ks] if ks and m == "exspec-fixed" else [(m, b)])
+        ]
 
 
 @dataclass
@@ -161,9 +171,21 @@ class BenchRow:
     num_speculative_tokens: int = 0  # k used (0: no drafts; the largest k for an adaptive policy)
     speculation: str | None = None  # the scheduler's speculation policy for our engine's methods
     divergences: list[dict] = field(default_factory=list)  # {prompt, position, gap, kind} per divergence
+    policy: dict = field(default_factory=dict)  # `exspec` (auto): per bucket, steps per k and exploration share
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _fixed_k(method: str) -> int | None:
+    """K of a method named exspec-fixed-kK (BenchConfig.fixed_ks), else None."""
+    prefix = "exspec-fixed-k"
+    return int(method[len(prefix):]) if method.startswith(prefix) else None
+
+
+def _base(method: str) -> str:
+    """The method a point runs: exspec-fixed-kK is exspec-fixed at k = K."""
+    return "exspec-fixed" if _fixed_k(method) is not None else method
 
 
 class Bench:
@@ -191,6 +213,7 @@ class Bench:
             )
         self.pad_id = self._pad_id()
         self._gap_cache: dict[tuple[int, int], float] = {}
+        self._policies: dict[tuple[str, int], SpeculationPolicy] = {}  # (method, B) -> the policy it kept
         self.reference: list[list[int]] | None = None  # target-ar B = 1 outputs, once run() is done
 
     def _select_prompts(self, tok) -> list[list[int]]:
@@ -277,9 +300,10 @@ class Bench:
             generated_tokens=first.generated_tokens,
             decode_seconds=median_s,
             seconds_per_repeat=seconds,
-            pool_size=self._pool_size(method, b) if method in ENGINE_METHODS else None,
-            num_speculative_tokens=0 if method in ("target-ar", "hf-generate") else self.config.num_speculative_tokens,
-            speculation=self._scheduler_config(method, b).speculation if method in ENGINE_METHODS else None,
+            pool_size=self._pool_size(method, b) if _base(method) in ENGINE_METHODS else None,
+            num_speculative_tokens=0 if method in ("target-ar", "hf-generate") else self._k(method),
+            speculation=self._scheduler_config(method, b).speculation if _base(method) in ENGINE_METHODS else None,
+            policy=self._policies[(method, b)].summary() if (method, b) in self._policies else {},
             divergences=divergences,
         )
 
@@ -287,7 +311,7 @@ class Bench:
 
     def _runner(self, method: str, b: int):
         """A callable running every given prompt with `method` at batch size b; built once per point."""
-        if method in ENGINE_METHODS:
+        if _base(method) in ENGINE_METHODS:
             return self._engine_runner(method, b)
         if method == "hf-generate":
             return lambda prompts, warmup=False: self._hf_generate(prompts, b, warmup)
@@ -298,18 +322,25 @@ class Bench:
             return b
         return max(b, min(self.config.pool_factor * b, len(self.prompts)))
 
+    def _k(self, method: str) -> int:
+        """k of an engine method: 0 for target-ar, K for exspec-fixed-kK, else --num-speculative-tokens."""
+        if method == "target-ar":
+            return 0
+        fixed = _fixed_k(method)
+        return self.config.num_speculative_tokens if fixed is None else fixed
+
     def _scheduler_config(self, method: str, b: int) -> SchedulerConfig:
         """`exspec` passes no `speculation`: it measures the scheduler's default policy, whatever it is."""
-        k = 0 if method == "target-ar" else self.config.num_speculative_tokens
+        k = self._k(method)
         fields = dict(max_batch_size=b, pool_size=self._pool_size(method, b), max_waiting=10**9,
                       num_speculative_tokens=k)
-        if method in ("exspec-fixed", "exspec-mixed"):
+        if _base(method) in ("exspec-fixed", "exspec-mixed"):
             fields.update(speculation="fixed")  # exspec-mixed's force_mixed is an engine setting
         return SchedulerConfig(**fields)
 
     def _engine_runner(self, method: str, b: int):
         cfg = self.config
-        k = 0 if method == "target-ar" else cfg.num_speculative_tokens
+        k = self._k(method)
         pool = self._pool_size(method, b)
         pair = replace(self.pair, draft=None) if k == 0 else self.pair
         engine = SpecEngine(
@@ -330,6 +361,7 @@ class Bench:
         # One policy per (method, B), kept across the warm-up and the timed runs as a server's scheduler keeps
         # it across requests: each run then measures the policy's steady state, not its first steps again.
         policy = SpeculationPolicy(sched.speculation, k)
+        self._policies[(method, b)] = policy
 
         def run(prompts: list[list[int]], warmup: bool = False) -> RunResult:
             max_tokens = min(8, cfg.max_tokens) if warmup else cfg.max_tokens

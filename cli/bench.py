@@ -33,6 +33,16 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _k_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(not 0 <= v <= 32 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers in [0, 32], got {text!r}")
+    return values
+
+
 def _methods(text: str) -> tuple[str, ...]:
     values = tuple(x.strip() for x in text.split(",") if x.strip())
     unknown = [v for v in values if v not in METHODS]
@@ -59,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-len", type=int, default=None, help="leave out questions longer than this many tokens (default: no limit)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default: 128)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="k, as serve and generate (default: 4)")
+    p.add_argument("--fixed-ks", type=_k_list, default=(),
+                   help="run exspec-fixed once per k in this comma-separated list (rows exspec-fixed-kK), e.g. "
+                        "0,1,2,4,6 to find the best fixed k in the same run (default: only at --num-speculative-tokens)")
     p.add_argument("--pool-factor", type=int, default=4, help="exspec pool W = factor x B, capped at the prompt count (default: 4)")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed runs per point; the median is reported (default: 3; forward mode: 7)")

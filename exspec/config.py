@@ -27,7 +27,7 @@ DEMO_PAIRS = ("smollm2", "tiny")  # the built-in pairs (exspec.demo.recipe's sca
 DEFAULT_DEMO = "smollm2"  # SmolLM2-135M-Instruct and a draft distilled from it
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 SPECULATION_MODES = ("auto", "fixed", "adaptive")
-DEFAULT_SPECULATION = "auto"  # the scheduler's own default (SchedulerConfig.speculation): k from measured goodput
+DEFAULT_SPECULATION = "auto"  # the scheduler's own default (SchedulerConfig.speculation): k from modelled goodput
 # The KV pool's default share of the memory free once the weights are loaded (--kv-cache-memory): most of a
 # GPU (vLLM's --gpu-memory-utilization is 0.9 of the whole GPU), a modest part of the RAM a CPU host still has
 # available (its other processes keep the rest; the pool's pages are touched at start-up).

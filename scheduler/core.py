@@ -296,7 +296,8 @@ class SchedulerCore:
             # The policy weighs k by what a step really costs: its whole wall time (scheduling, forwards,
             # sampling, cutting, deltas); only while a failing row is isolated, each call's own forward time.
             seconds = time.perf_counter() - t0 if len(runs) == 1 else out.draft_s + out.verify_s
-            self.speculation.observe(len(batch), out.num_draft_tokens, kept, seconds, out.catchup_s)
+            self.speculation.observe(len(batch), out.num_draft_tokens, kept, seconds, out.catchup_s,
+                                     out.accepted_per_position, sum(1 for o in out.outputs if o.num_draft_tokens))
             deltas += new
             stats.append(self._stats(out, t1 - t0, 0, kept))
         return deltas, stats

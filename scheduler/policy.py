@@ -18,8 +18,10 @@ within ceil(W / B) - 1 further steps.
 from __future__ import annotations
 
 import math
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass
+
+from exspec.scheduler.speculation import ModelPolicy, bucket
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,8 @@ class SpeculationPolicy:
     per second for each candidate k in {0, 1, 2, 4, ..., k_max}; try each candidate a few times, then use
     the best, re-trying the others now and then (every `explore_every` steps) since costs drift. Down to
     k = 0 when the batch is large enough that speculation loses.
-    auto (the default): `GoodputPolicy`, built not to lose to no speculation (see there).
+    auto (the default): `speculation.ModelPolicy`, k from a model of per-position acceptance and of step
+    cost per batch size and k (see there).
     """
 
     def __init__(self, mode: str, k_max: int, warmup: int = 2, explore_every: int = 50, ema: float = 0.3) -> None:
@@ -126,11 +129,9 @@ class SpeculationPolicy:
         self._rate: dict[tuple[int, int], float] = {}  # (bucket, k) -> tokens/s
         self._count: dict[tuple[int, int], int] = defaultdict(int)
         self._steps: dict[int, int] = defaultdict(int)
-        self._auto = GoodputPolicy(k_max) if mode == "auto" else None
+        self._auto = ModelPolicy(k_max) if mode == "auto" else None
 
-    @staticmethod
-    def bucket(batch_size: int) -> int:
-        return 1 << max(0, (batch_size - 1).bit_length())
+    bucket = staticmethod(bucket)
 
     def choose(self, batch_size: int) -> int:
         if self.mode == "fixed" or self.k_max == 0:
@@ -147,19 +148,30 @@ class SpeculationPolicy:
         return max(self.candidates, key=lambda k: self._rate[(b, k)])
 
     def drafting(self) -> bool:
-        """Whether steps are expected to draft: False only when the policy has measured that no batch size
-        gains from drafts, so prompts can be prefilled without the draft (a step that drafts catches it up)."""
+        """Whether steps are expected to draft: False only when the policy has measured that the batch sizes
+        it runs gain nothing from drafts, so prompts can be prefilled without the draft (a step that drafts
+        catches it up)."""
         if self.k_max == 0:
             return False
         return self._auto.drafting() if self._auto is not None else True
 
-    def observe(self, batch_size: int, k: int, num_tokens: int, seconds: float, catchup_s: float = 0.0) -> None:
+    def observe(
+        self,
+        batch_size: int,
+        k: int,
+        num_tokens: int,
+        seconds: float,
+        catchup_s: float = 0.0,
+        accepted: tuple[int, ...] = (),
+        drafting_rows: int | None = None,
+    ) -> None:
         """A decode step's result: `seconds` of wall time, of which `catchup_s` fed the draft tokens it skipped
-        (paid once per token, not a cost of k)."""
+        (paid once per token, not a cost of k); `accepted[i]`: rows whose (i + 1)-th draft was accepted;
+        `drafting_rows`: rows that proposed drafts (None: all)."""
         if self.mode == "fixed" or seconds <= 0:
             return
         if self._auto is not None:
-            self._auto.observe(batch_size, k, num_tokens, seconds, catchup_s)
+            self._auto.observe(batch_size, k, num_tokens, seconds, catchup_s, accepted, drafting_rows)
             return
         seconds -= min(catchup_s, 0.9 * seconds)
         key = (self.bucket(batch_size), k)
@@ -169,136 +181,11 @@ class SpeculationPolicy:
         self._rate[key] = rate if old is None else (1 - self.ema) * old + self.ema * rate
 
     def rates(self) -> dict[tuple[int, int], float]:
-        return self._auto.rates() if self._auto is not None else dict(self._rate)
+        """adaptive: (bucket, k) -> measured tokens/s; auto: (bucket, k) -> modelled tokens per row-second."""
+        if self._auto is None:
+            return dict(self._rate)
+        return {(b, k): g for b in self._auto.summary() for k, g in self._auto.plan(b)[2].items()}
 
-
-class GoodputPolicy:
-    """Choose k per step to maximise measured goodput (emitted tokens per second of forward time), with
-    exploration whose cost is bounded, so that it cannot do much worse than no speculation.
-
-    Per batch-size bucket (powers of two) it keeps, for each candidate k in {0, 1, 2, 4, ..., k_max}, a
-    goodput estimate: tokens over seconds of its last `window` steps (a ratio of sums: tokens per step vary
-    from 1 to k + 1, so a mean or median of per-step rates would be biased). It starts on k = 0 (plain
-    decoding: nothing to lose).
-    - Warm-up: each k is measured `warmup` times, in increasing order, while goodput keeps rising with k:
-      once a k >= 2 measures worse than the k before it by more than `tolerance`, larger k are not tried
-      (goodput over k >= 1 is unimodal for the usual cost models: acceptance saturates, cost grows).
-    - Then it runs the best measured k. It re-measures another k (the one measured longest ago, from
-      scratch) in bursts of `burst` steps, a new burst only once the last one (warm-up included) cost at most
-      `budget` of the time run on the best k since. Those steps emit tokens too, so past the warm-up the
-      goodput lost to exploration stays below `budget`. This
-      also corrects warm-up samples taken while the machine was cold (first-touch page faults, new shapes).
-    - A step that drafts also feeds the draft what it skipped (steps without drafts, prompts prefilled without
-      it while the policy ran on k = 0: `drafting()`); the engine reports that catch-up time apart. It counts
-      toward the exploration budget but not in k's goodput: it is paid once per token, whatever k follows.
-    - Costs drift (load, lengths): only the last `window` samples count; when the best k's estimate falls
-      below another's, that one runs and is measured again.
-    k follows measured time, so it differs between runs: greedy outputs do not depend on k (token-identical
-    to the target), but a seeded sampled output reproduces exactly only under the same k schedule; use
-    speculation="fixed" where seeded runs must repeat token for token.
-    """
-
-    def __init__(
-        self,
-        k_max: int,
-        warmup: int = 3,
-        budget: float = 0.02,
-        tolerance: float = 0.1,
-        window: int = 12,
-        burst: int = 4,
-    ) -> None:
-        self.k_max = k_max
-        self.candidates = sorted({0, k_max} | {k for k in (1, 2, 4, 8, 16, 32) if k < k_max})
-        self.warmup = warmup
-        self.budget = budget
-        self.tolerance = tolerance
-        self.window = window
-        self.burst = burst
-        self._samples: dict[tuple[int, int], deque[tuple[int, float]]] = {}  # (bucket, k) -> last (tokens, s)
-        self._rate: dict[tuple[int, int], float] = {}  # (bucket, k) -> their tokens / their seconds
-        self._count: dict[tuple[int, int], int] = defaultdict(int)  # (bucket, k) -> samples
-        self._seen: dict[tuple[int, int], int] = {}  # (bucket, k) -> step of the last sample
-        self._steps: dict[int, int] = defaultdict(int)  # bucket -> steps chosen
-        self._total_s: dict[int, float] = defaultdict(float)  # bucket -> forward seconds observed
-        self._explore_s: dict[int, float] = defaultdict(float)  # bucket -> of which on exploring steps
-        self._burst_s: dict[int, float] = defaultdict(float)  # bucket -> seconds of the last exploration (burst)
-        self._since_s: dict[int, float] = defaultdict(float)  # bucket -> seconds on the best k since then
-        self._exploring: dict[int, bool] = {}  # bucket -> the pending step explores
-        self._burst_left: dict[int, tuple[int, int]] = {}  # bucket -> (k, steps left) of an exploration burst
-
-    bucket = staticmethod(SpeculationPolicy.bucket)
-
-    def rate(self, b: int, k: int) -> float | None:
-        return self._rate.get((b, k))
-
-    def best(self, b: int) -> int:
-        """The best measured k of a bucket (0 until something beats it)."""
-        measured = [k for k in self.candidates if self.rate(b, k) is not None]
-        return max(measured, key=lambda k: self.rate(b, k), default=0)
-
-    def choose(self, batch_size: int) -> int:
-        b = self.bucket(batch_size)
-        self._steps[b] += 1
-        k = self._warmup_candidate(b)
-        if k == 0:  # plain decoding is the safe incumbent: measuring it is not exploration
-            self._exploring[b] = False
-            return 0
-        if k is None:
-            k = self._burst(b)
-        self._exploring[b] = k is not None
-        return self.best(b) if k is None else k
-
-    def _warmup_candidate(self, b: int) -> int | None:
-        prev = None
-        for k in self.candidates:
-            if self._count[(b, k)] < self.warmup:
-                return k
-            if prev and self.rate(b, k) < self.rate(b, prev) * (1 - self.tolerance):
-                return None  # over k >= 1 goodput fell with k: larger k are not worth measuring
-            prev = k
-        return None
-
-    def _burst(self, b: int) -> int | None:
-        """The k of the exploration burst under way, or of a new one if the budget allows; else None."""
-        k, left = self._burst_left.get(b, (0, 0))
-        if left > 0:
-            self._burst_left[b] = (k, left - 1)
-            return k
-        if self._burst_s[b] > self.budget * self._since_s[b]:
-            return None  # the last burst cost more than `budget` of the time run since it
-        self._burst_s[b], self._since_s[b] = 0.0, 0.0
-        best = self.best(b)
-        others = [c for c in self.candidates if c != best]
-        k = min(others, key=lambda c: self._seen.get((b, c), -1), default=None)
-        if k is not None:
-            self._burst_left[b] = (k, self.burst - 1)
-            self._samples.pop((b, k), None)  # a fresh measurement: old samples may be from another load
-            self._rate.pop((b, k), None)
-        return k
-
-    def drafting(self) -> bool:
-        """False once every batch-size bucket seen has finished its warm-up and measures k = 0 the best."""
-        if not self._steps:
-            return True
-        return any(self._warmup_candidate(b) is not None or self.best(b) > 0 for b in self._steps)
-
-    def observe(self, batch_size: int, k: int, num_tokens: int, seconds: float, catchup_s: float = 0.0) -> None:
-        if seconds <= 0:
-            return
-        b = self.bucket(batch_size)
-        self._total_s[b] += seconds
-        if self._exploring.pop(b, False):
-            self._explore_s[b] += seconds
-            self._burst_s[b] += seconds
-        else:
-            self._since_s[b] += seconds
-        key = (b, k)
-        self._count[key] += 1
-        self._seen[key] = self._steps[b]
-        steady = seconds - min(catchup_s, 0.9 * seconds)  # k's own cost: without the one-off catch-up
-        samples = self._samples.setdefault(key, deque(maxlen=self.window))
-        samples.append((num_tokens, steady))
-        self._rate[key] = sum(n for n, _ in samples) / sum(t for _, t in samples)
-
-    def rates(self) -> dict[tuple[int, int], float]:
-        return dict(self._rate)
+    def summary(self) -> dict:
+        """auto: per bucket, steps per k and the exploration's share of decode seconds; {} otherwise."""
+        return self._auto.summary() if self._auto is not None else {}

@@ -13,7 +13,7 @@ class SchedulerConfig:
     pool_size: int = 32  # W >= B: live (prefilled, running) sequences the pool holds
     max_waiting: int = 256  # requests queued before admission; beyond it submit() raises QueueFullError
     num_speculative_tokens: int = 4  # k (fixed policy) or the largest k (adaptive policy)
-    speculation: str = "auto"  # "auto" (goodput-driven k that cannot lose, policy.GoodputPolicy) | "fixed" | "adaptive"
+    speculation: str = "auto"  # "auto" (k from modelled acceptance and cost, speculation.ModelPolicy) | "fixed" | "adaptive"
     min_group_size: int = 0  # a same-length group smaller than this runs as a mixed batch; 0: B // 2 (at least 2)
     max_wait_steps: int = 8  # aging: a running sequence waits at most this many decode steps
     max_prefill_tokens: int = 512  # rows x width of a prefill step at most, padding included (chunked beyond it)

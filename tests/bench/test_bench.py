@@ -239,3 +239,41 @@ def test_engine_rows_carry_their_forward_time(rows):
             assert r["forward_ms_per_step"] > 0
         else:
             assert r["forward_ms_per_step"] is None
+
+
+def test_fixed_ks_expand_exspec_fixed_into_one_method_per_k():
+    from pathlib import Path
+
+    from exspec.bench.runner import BenchConfig
+    from exspec.errors import BenchError
+
+    cfg = BenchConfig(model=Path("t"), draft_model=Path("d"), methods=("target-ar", "exspec-fixed", "exspec"),
+                      batch_sizes=(2, 1), fixed_ks=(4, 0, 2, 2))
+    assert cfg.points() == [
+        ("target-ar", 1), ("exspec-fixed-k0", 1), ("exspec-fixed-k2", 1), ("exspec-fixed-k4", 1), ("exspec", 1),
+        ("target-ar", 2), ("exspec-fixed-k0", 2), ("exspec-fixed-k2", 2), ("exspec-fixed-k4", 2), ("exspec", 2),
+    ]
+    with pytest.raises(BenchError, match="--fixed-ks"):
+        BenchConfig(model=Path("t"), draft_model=Path("d"), fixed_ks=(33,))
+
+
+def test_fixed_ks_rows_and_the_default_policy_against_the_best(pair, tmp_path):
+    target, draft = pair
+    rc = main([
+        "bench", "--model", str(target), "--draft-model", str(draft), "--num-prompts", "2", "--max-tokens", "6",
+        "--batch-sizes", "1", "--methods", "target-ar,exspec-fixed,exspec", "--fixed-ks", "0,2",
+        "--repeats", "1", "--max-prompt-len", "64", "--no-progress", "--output", str(tmp_path), "--device", "cpu",
+    ])
+    assert rc == 0
+    rows = {r["method"]: r for r in json.loads((tmp_path / "results.json").read_text())}
+    assert set(rows) == {"target-ar", "exspec-fixed-k0", "exspec-fixed-k2", "exspec"}
+    assert rows["exspec-fixed-k0"]["num_speculative_tokens"] == 0 and rows["exspec-fixed-k0"]["mean_acceptance_length"] == 1.0
+    assert rows["exspec-fixed-k2"]["num_speculative_tokens"] == 2 and rows["exspec-fixed-k2"]["speculation"] == "fixed"
+    assert all(r["equivalence_rate"] == 1.0 for r in rows.values())
+    steps = rows["exspec"]["policy"]["1"]["steps_by_k"]  # what the default policy ran, warm-up included
+    assert sum(steps.values()) >= 1 and rows["exspec-fixed-k2"]["policy"] == {}
+    md = (tmp_path / "results.md").read_text()
+    fixed = {k: rows[f"exspec-fixed-k{k}"]["tokens_per_s"] for k in (0, 2)}
+    best = max(fixed, key=fixed.get)
+    assert f"| 1 | {best} | {rows['exspec']['tokens_per_s'] / fixed[best]:.2f}x |" in md
+    assert "The default policy's steps" in md

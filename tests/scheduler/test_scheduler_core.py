@@ -254,3 +254,24 @@ def test_prompts_skip_the_draft_only_when_the_policy_expects_no_drafts(k):
     while core.has_work():
         core.step()
     assert [p.draft for p in eng.prefills] == [k > 0]
+
+
+def test_the_policy_observes_acceptance_per_position_and_the_rows_that_drafted():
+    from exspec.scheduler.policy import SpeculationPolicy
+
+    class Recording(SpeculationPolicy):
+        def __init__(self):
+            super().__init__("fixed", 3)
+            self.seen = []
+
+        def observe(self, batch_size, k, num_tokens, seconds, catchup_s=0.0, accepted=(), drafting_rows=None):
+            self.seen.append((batch_size, k, accepted, drafting_rows))
+
+    eng = FakeEngine(accept=lambda seq, k: 2)
+    policy = Recording()
+    core = SchedulerCore(eng, SchedulerConfig(max_batch_size=2, pool_size=2, num_speculative_tokens=3,
+                                              speculation="fixed"), speculation=policy)
+    core.add(req(0, max_tokens=9))
+    core.add(req(1, max_tokens=9, use_speculation=False))  # proposes no drafts: not a drafting row
+    run_all(core)
+    assert policy.seen and policy.seen[0] == (2, 3, (1, 1, 0), 1)

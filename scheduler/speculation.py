@@ -1,0 +1,331 @@
+"""The default speculation policy (`auto`): k from a model of what it measures, not from racing every k.
+
+Two models, fitted from what each decode step reports, give the expected goodput of every k; the step runs
+the argmax. Nothing here reads a clock or draws a random number: the same observations give the same
+choices (the timing that feeds it still differs between runs; see `ModelPolicy`).
+
+Acceptance (shared by every batch size: it is a property of the pair and the prompts, not of the load).
+For draft position i = 1..k_max, the decayed counts of rows that reached position i (their i - 1 first
+drafts accepted) and of those whose i-th draft was accepted give the conditional acceptance a_i, shrunk
+toward the pooled rate over all positions (`prior_strength` pseudo-rows), itself shrunk toward 1/2. A row
+drafting k tokens then emits E(k) = 1 + sum_{i<=k} a_1 * ... * a_i tokens (accepted drafts + the target's
+own token). Positions are counted apart because acceptance is not geometric: the first draft after a
+verified token is accepted more often than the fourth. Counts decay by `accept_decay` per drafting step
+and by `idle_decay` per step without drafts, so the estimate follows a change and grows uncertain while
+it goes unmeasured.
+
+Step cost, per batch-size bucket (powers of two), per k: the median of the last `window` steady step times
+(the step's wall time less the one-off draft catch-up, which is paid once per token whatever k follows;
+k = 0 steps measure the target alone). Over k > 0 a line a + b * k is fitted through those medians, weighted
+by their sample counts (k draft forwards and k more query columns in the verify; the jump from k = 0, a
+draft forward's fixed cost and the verify's second column, is in a). A measured k's cost is its median
+pulled toward the line (`fit_weight` pseudo-samples), so neighbouring k share their evidence; a k not
+measured is the line's value. With one k > 0 measured the slope is half the one from k = 0 (uncertain);
+with only k = 0 measured, c(0) * (1 + `prior_slope` * k).
+
+Goodput per row: G(k) = (1 + f * (E(k) - 1)) / c(k), f the fraction of rows that draft when k > 0 (rows
+that opted out emit one token whatever k is). The step runs k* = argmax G, and k = 0 unless some k beats
+it by `margin` (near-ties go to plain decoding: it skips the draft's prefill too, `drafting()`); between two
+k > 0 the one running stays unless the other beats it by `margin`. The plan is computed again every
+`replan_every` steps of a bucket and after any step that measured another k (a plan costs ~0.1 ms of Python,
+a choice from the last one ~0.01 ms).
+
+Exploration, only where the models are uncertain: an optimistic goodput G+(k) (acceptance at its upper
+bound, `z` standard errors; cost at its lower bound: sampling spread over sqrt(n), wider for predicted and
+stale costs) names a k whose measurement could change the decision (G+(k) > (1 + margin) * G(k*)). It is
+measured in a burst of `min_samples` steps (old samples dropped if stale) when the bucket's exploring
+seconds, catch-up included, are within `budget` of its decode seconds plus `free_steps` steps of k = 0.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+
+def bucket(batch_size: int) -> int:
+    """The batch-size bucket: the next power of two (1, 2, 4, 8, ...)."""
+    return 1 << max(0, (batch_size - 1).bit_length())
+
+
+def candidates_for(k_max: int) -> list[int]:
+    """The k a policy chooses among: every k up to 8, powers of two beyond, and k_max."""
+    return sorted({k for k in range(min(k_max, 8) + 1)} | {k for k in (16, 32) if k < k_max} | {k_max})
+
+
+@dataclass
+class _Bucket:
+    steps: int = 0  # steps chosen in this bucket
+    costs: dict[int, deque] = field(default_factory=dict)  # k -> last steady step seconds
+    last: dict[int, int] = field(default_factory=dict)  # k -> step of its last sample
+    best: int = 0  # k* of the last step that did not explore
+    planned: tuple | None = None  # the last _plan (recomputed every `replan_every` steps and after news)
+    planned_at: int = 0  # the step it was computed at
+    burst: tuple[int, int] = (0, 0)  # (k, steps left) of the exploration under way
+    exploring: bool = False  # the step chosen last explores
+    explore_s: float = 0.0  # seconds of exploring steps (catch-up included)
+    total_s: float = 0.0  # seconds of every step
+    explore_steps: int = 0
+    share: float = 0.0  # decayed share of recent steps (drafting())
+    by_k: dict[int, int] = field(default_factory=dict)  # k -> steps observed
+
+
+class ModelPolicy:
+    """See the module docstring. k follows measured time, so it may differ between runs: greedy outputs do not
+    depend on k (token-identical to the target), but a seeded sampled output reproduces exactly only under
+    the same k schedule, so the scheduler decodes seeded sampled requests without drafts under this policy."""
+
+    def __init__(
+        self,
+        k_max: int,
+        *,
+        window: int = 16,
+        min_samples: int = 3,
+        accept_decay: float = 1 / 128,
+        idle_decay: float = 1 / 4096,
+        prior_strength: float = 4.0,
+        prior_slope: float = 0.15,
+        margin: float = 0.02,
+        z: float = 1.0,
+        budget: float = 0.03,
+        free_steps: int = 12,
+        stale_steps: int = 400,
+        share_decay: float = 1 / 256,
+        fit_weight: float = 8.0,
+        replan_every: int = 8,
+        draft_share: float = 0.1,
+    ) -> None:
+        self.k_max = k_max
+        self.candidates = candidates_for(k_max)
+        self.window, self.min_samples = window, min_samples
+        self.accept_decay, self.idle_decay, self.prior_strength = accept_decay, idle_decay, prior_strength
+        self.prior_slope, self.margin, self.z = prior_slope, margin, z
+        self.budget, self.free_steps, self.stale_steps = budget, free_steps, stale_steps
+        self.share_decay, self.draft_share, self.fit_weight = share_decay, draft_share, fit_weight
+        self.replan_every = replan_every
+        self._tried = [0.0] * (k_max + 1)  # [k_max + 1]: index i = rows that reached draft position i (0 unused)
+        self._accepted = [0.0] * (k_max + 1)  # of those, rows whose i-th draft was accepted
+        self._rows = 0.0  # rows of drafting steps (decayed)
+        self._drafting_rows = 0.0  # of those, rows that proposed drafts
+        self._buckets: dict[int, _Bucket] = {}
+
+    # ------------------------------------------------------------------ acceptance
+
+    def acceptance(self) -> list[float]:
+        """[k_max]: the conditional acceptance a_i of draft positions 1..k_max."""
+        prior = (sum(self._accepted) + 1.0) / (sum(self._tried) + 2.0)  # pooled over positions, shrunk to 1/2
+        m, rates = self.prior_strength, []
+        for i in range(1, self.k_max + 1):
+            prior = (self._accepted[i] + m * prior) / (self._tried[i] + m)  # shrunk toward the position before
+            rates.append(prior)
+        return rates
+
+    def _acceptance_bounds(self) -> tuple[list[float], list[float]]:
+        rates = self.acceptance()
+        upper = [
+            min(1.0, a + self.z * math.sqrt(a * (1 - a) / (self._tried[i + 1] + self.prior_strength)))
+            for i, a in enumerate(rates)
+        ]
+        return rates, upper
+
+    @staticmethod
+    def _expected(rates: list[float], k: int) -> float:
+        """Tokens a row emits with k drafts: 1 + sum over i <= k of the chance to accept the first i."""
+        total, p = 1.0, 1.0
+        for a in rates[:k]:
+            p *= a
+            total += p
+        return total
+
+    def _draft_fraction(self) -> float:
+        return 1.0 if self._rows <= 0 else self._drafting_rows / self._rows
+
+    # ------------------------------------------------------------------ cost
+
+    def _costs(self, st: _Bucket) -> dict[int, tuple[float, float]]:
+        """k -> (predicted steady seconds of a step with k drafts, relative uncertainty) for every candidate;
+        empty before k = 0 is measured in this bucket."""
+        med, unc = {}, {}
+        for c in self.candidates:
+            s = st.costs.get(c)
+            if s:
+                m = statistics.median(s)
+                spread = statistics.median(abs(x - m) for x in s) / m if len(s) > 2 else 0.3
+                stale = max(0, st.steps - st.last[c] - self.stale_steps) / self.stale_steps
+                med[c], unc[c] = m, max(0.05, 1.5 * spread) / math.sqrt(len(s)) + 0.1 * stale
+        if 0 not in med:
+            return {}
+        drafted = [c for c in sorted(med) if c > 0]
+        out = {0: (med[0], unc[0])}
+        if not drafted:
+            for k in self.candidates[1:]:
+                out[k] = (med[0] * (1 + self.prior_slope * k), 0.3)
+            return out
+        # k > 0: a line a + b * k through the measured medians, weighted by their sample counts (the draft
+        # forwards and the verify's extra query columns grow with k; the jump from k = 0 is in a)
+        w = {c: len(st.costs[c]) for c in drafted}
+        if len(drafted) >= 2:
+            sw = sum(w.values())
+            mk = sum(w[c] * c for c in drafted) / sw
+            mc = sum(w[c] * med[c] for c in drafted) / sw
+            slope = sum(w[c] * (c - mk) * (med[c] - mc) for c in drafted) / sum(w[c] * (c - mk) ** 2 for c in drafted)
+            slope = max(0.0, slope)
+            base = mc - slope * mk
+        else:  # one k > 0 measured: half the slope from k = 0 (the first draft pays a jump), uncertain
+            (c1,) = drafted
+            slope = 0.5 * max(0.0, med[c1] - med[0]) / c1
+            base = med[c1] - slope * c1
+        lo, hi = drafted[0], drafted[-1]
+        for k in self.candidates[1:]:
+            fit = base + slope * k
+            if k in med:  # the measurement, shrunk toward the line by its sample count
+                n = w[k]
+                out[k] = ((n * med[k] + self.fit_weight * fit) / (n + self.fit_weight), unc[k])
+            else:
+                outside = max(0, lo - k, k - hi)
+                inside = 0 if outside else min(abs(k - c) for c in drafted)
+                u = (0.15 if len(drafted) < 2 else 0.05) + 0.02 * inside + 0.03 * outside
+                out[k] = (fit, u)
+        return out
+
+    # ------------------------------------------------------------------ decisions
+
+    def _bucket(self, b: int) -> _Bucket:
+        return self._buckets.setdefault(b, _Bucket())
+
+    def plan(self, batch_size: int) -> tuple[int, int | None, dict[int, float]]:
+        """(k*, the k worth exploring or None, goodput per row for each k) of a batch size, from the models
+        as they stand; k* is 0 until k = 0 is measured in its bucket."""
+        return self._plan(self._bucket(bucket(batch_size)))[:3]
+
+    def _plan(self, st: _Bucket) -> tuple[int, int | None, dict[int, float], dict[int, tuple[float, float]]]:
+        costs = self._costs(st)
+        if not costs:
+            return 0, None, {}, costs
+        rates, upper = self._acceptance_bounds()
+        f = self._draft_fraction()
+        goodput, optimistic = {}, {}
+        for k, (c, u) in costs.items():
+            goodput[k] = (1 + f * (self._expected(rates, k) - 1)) / c
+            optimistic[k] = (1 + f * (self._expected(upper, k) - 1)) / (c * max(0.5, 1 - u))
+        best = max(self.candidates, key=lambda k: (goodput[k], -k))
+        if goodput[best] < (1 + self.margin) * goodput[0]:
+            best = 0
+        held = st.best
+        if held in goodput and best != 0 and held != 0 and goodput[best] < (1 + self.margin) * goodput[held]:
+            best = held  # hysteresis among k > 0: a near-tie does not switch
+        bar = (1 + self.margin) * goodput[best]
+        worth = [k for k in self.candidates if k != best and optimistic[k] > bar]
+        explore = max(worth, key=lambda k: (optimistic[k], -k)) if worth else None
+        return best, explore, goodput, costs
+
+    def choose(self, batch_size: int) -> int:
+        if self.k_max == 0:
+            return 0
+        b = bucket(batch_size)
+        st = self._bucket(b)
+        st.steps += 1
+        for other in self._buckets.values():
+            other.share *= 1 - self.share_decay
+        st.share += self.share_decay
+        k, left = st.burst
+        if left > 0:
+            st.burst = (k, left - 1)
+            st.exploring = True
+            return k
+        if len(st.costs.get(0, ())) < self.min_samples:  # plain decoding first: the safe incumbent
+            st.exploring = False
+            return 0
+        if st.planned is None or st.steps - st.planned_at >= self.replan_every:
+            st.planned, st.planned_at = self._plan(st), st.steps
+        best, explore, _, costs = st.planned
+        if explore is not None:
+            samples = st.costs.get(explore)
+            stale = bool(samples) and st.steps - st.last[explore] > self.stale_steps
+            n = 0 if stale or not samples else len(samples)
+            burst = self.min_samples - n if n < self.min_samples else 1
+            allowed = self.budget * st.total_s + self.free_steps * costs[0][0]
+            if st.explore_s + burst * costs[explore][0] <= allowed:
+                if stale:
+                    samples.clear()  # a fresh measurement: the old one is from another time
+                st.burst = (explore, burst - 1)
+                st.exploring = True
+                return explore
+        st.exploring = False
+        st.best = best
+        return best
+
+    def drafting(self) -> bool:
+        """Whether prompts should be fed to the draft as they are prefilled: False once the batch-size buckets
+        that want drafts (k* > 0, or not yet measured) ran less than `draft_share` of recent steps. A row
+        prefilled without the draft that later drafts is caught up then (the same work, deferred)."""
+        if self.k_max == 0:
+            return False
+        if not self._buckets:
+            return True
+        wanting = 0.0
+        for b, st in self._buckets.items():
+            if st.burst[1] > 0 or len(st.costs.get(0, ())) < self.min_samples or st.best > 0:
+                wanting += st.share
+        total = sum(st.share for st in self._buckets.values())
+        return wanting > self.draft_share * total
+
+    def observe(
+        self,
+        batch_size: int,
+        k: int,
+        num_tokens: int,
+        seconds: float,
+        catchup_s: float = 0.0,
+        accepted: tuple[int, ...] = (),
+        drafting_rows: int | None = None,
+    ) -> None:
+        """A decode step's result: `seconds` of wall time, of which `catchup_s` fed the draft tokens it skipped;
+        `accepted[i]`: rows whose (i + 1)-th draft was accepted; `drafting_rows`: rows that proposed drafts
+        (all of them when None)."""
+        if seconds <= 0 or self.k_max == 0:
+            return
+        st = self._bucket(bucket(batch_size))
+        st.total_s += seconds
+        if st.exploring:
+            st.explore_s += seconds
+            st.explore_steps += 1
+            st.exploring = False
+        st.by_k[k] = st.by_k.get(k, 0) + 1
+        if k != st.best:
+            st.planned = None  # a measurement of another k: plan again at once
+        steady = seconds - min(catchup_s, 0.9 * seconds)
+        st.costs.setdefault(k, deque(maxlen=self.window)).append(steady)
+        st.last[k] = st.steps
+        if k == 0:
+            self._decay((1 - self.idle_decay) ** batch_size)
+            return
+        rows = batch_size if drafting_rows is None else drafting_rows
+        self._decay((1 - self.accept_decay) ** rows)
+        self._rows += batch_size
+        self._drafting_rows += rows
+        reached = float(rows)
+        for i, n in enumerate(accepted[: self.k_max], start=1):
+            self._tried[i] += reached
+            self._accepted[i] += n
+            reached = float(n)
+
+    def _decay(self, keep: float) -> None:
+        self._tried = [x * keep for x in self._tried]
+        self._accepted = [x * keep for x in self._accepted]
+        self._rows *= keep
+        self._drafting_rows *= keep
+
+    def summary(self) -> dict:
+        """Per bucket: steps per k, the share of decode seconds spent exploring, and k* now."""
+        return {
+            b: {
+                "steps_by_k": dict(sorted(st.by_k.items())),
+                "explore_fraction": st.explore_s / st.total_s if st.total_s else 0.0,
+                "explore_steps": st.explore_steps,
+                "best_k": self.plan(b)[0],
+            }
+            for b, st in sorted(self._buckets.items())
+        }
