@@ -35,6 +35,13 @@ from exspec.engine.kv_cache import NULL_BLOCK, ForwardMeta
 from exspec.engine.runner import ModelRunner, to_device
 
 
+# torch.compile options per device type: on the CPU `aot_eager` (a proof that the forward is one graph, fast to
+# compile); on CUDA CUDA graphs through "reduce-overhead" (NOT YET RUN on a GPU).
+COMPILE_OPTIONS = {"cpu": {"backend": "aot_eager"}, "cuda": {"mode": "reduce-overhead"}}
+# Every StaticForward compiles the same code (`forward`) with its own buffers: each is one Dynamo cache entry.
+RECOMPILE_LIMIT = 64
+
+
 def bucket_for(batch: int) -> int:
     """The smallest power of two >= batch: the padded batch a static forward runs at."""
     return 1 << max(0, batch - 1).bit_length()
@@ -100,7 +107,11 @@ class StaticForward:
         self.compiled: Callable[[], torch.Tensor] | None = None
 
     def compile(self, **options) -> None:
-        """Replace `forward` in `run` by `torch.compile(self.forward, fullgraph=True, dynamic=False, **options)`."""
+        """Replace `forward` in `run` by `torch.compile(self.forward, fullgraph=True, dynamic=False, **options)`;
+        no options: the device's COMPILE_OPTIONS."""
+        if not options:
+            options = COMPILE_OPTIONS.get(self.runner.device.type, COMPILE_OPTIONS["cpu"])
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.compiled = torch.compile(self.forward, fullgraph=True, dynamic=False, **options)
 
     def load(self, tokens: torch.Tensor, starts: list[int], slots: list[int]) -> None:

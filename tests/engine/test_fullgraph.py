@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.engine.test_engine_equivalence import MIXED, MIXED_MAX, assert_matches_reference
+from tests.support.driver import run_to_end
 from tests.support.models import ARCHS, random_prompts
 
+from exspec.engine import SamplingParams
 from exspec.engine.static_forward import StaticForward, bucket_for
 
 pytestmark = pytest.mark.models
@@ -78,3 +81,16 @@ def test_draft_and_verify_forwards_compile_fullgraph(models, arch, variant):
 
 def test_bucket_for():
     assert [bucket_for(b) for b in (1, 2, 3, 4, 5, 8, 9, 64, 65)] == [1, 2, 4, 4, 8, 8, 16, 64, 128]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_engine_with_compile_matches_target(models, arch):
+    """`EngineConfig.compile`: the draft's one-token forwards and the verify run compiled at the batch's bucket
+    (a mixed batch of 16 finishing at different steps: buckets 16 down to 1), and greedy output stays the target's."""
+    prompts, max_tokens = MIXED, MIXED_MAX
+    engine = models.engine(arch, "noisy", compile=True)
+    seqs, outs = run_to_end(engine, prompts, [SamplingParams(max_tokens=m) for m in max_tokens], 3)
+    assert_matches_reference(models, arch, prompts, seqs, max_tokens)
+    used = sorted(engine._static)  # (draft?, bucket, Q) of every compiled forward that ran
+    assert {q for _, _, q in used} == {1, 4} and {b for _, b, _ in used} >= {16, 1}
+    assert all(s.compiled is not None for s in engine._static.values())
