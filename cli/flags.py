@@ -32,6 +32,9 @@ FLAGS = {
                                f"{KV_MEMORY_DEFAULT['cpu']} of available RAM on CPU)"),
     "gemm": ("MODE", "auto | packed | default: oneDNN-prepacked linears for multi-row CPU forwards (default auto: "
                      "packed for float32 on CPU)"),
+    "compile": (None, "--compile: the draft's one-token forwards and the verify run compiled at static shapes "
+                      "(torch.compile fullgraph; CUDA graphs on CUDA, never yet run on a GPU); default --no-compile "
+                      "on every device until measured"),
     "speculation": ("MODE", f"{' | '.join(SPECULATION_MODES)}: how k is chosen per step "
                             f"(default {Settings.model_fields['speculation'].default})"),
     "max_batch_size": ("B", "sequences per speculative step (default 8)"),
@@ -59,6 +62,7 @@ FLAGS = {
 ENGINE_FIELDS = (
     "model", "draft_model", "demo", "device", "dtype", "max_model_len", "num_speculative_tokens", "speculation",
     "max_batch_size", "pool_size", "attention_backend", "kv_cache_memory", "gemm",
+    "compile",
 )
 
 
@@ -70,6 +74,10 @@ def add_settings_arguments(parser: argparse.ArgumentParser, fields=tuple(FLAGS))
     for field in fields:
         metavar, help_text = FLAGS[field]
         env = "EXSPEC_" + field.upper()
+        if metavar is None:  # a boolean: --x-y / --no-x-y
+            parser.add_argument(flag(field), dest=field, default=None, action=argparse.BooleanOptionalAction,
+                                help=f"{help_text} [env {env}]")
+            continue
         # No default: an absent flag leaves the field to its environment variable, then to Settings' default.
         parser.add_argument(flag(field), dest=field, default=None, metavar=metavar, help=f"{help_text} [env {env}]")
 

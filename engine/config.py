@@ -39,6 +39,10 @@ class EngineConfig:
     # device's default (KV_MEMORY_DEFAULT). Never more blocks than max_num_seqs sequences of max_model_len.
     kv_cache_memory: float | int | None = None
     gemm: str = "auto"  # "auto" | "packed" | "default": oneDNN-prepacked linears for multi-row CPU forwards
+    # The draft's one-token forwards and the verify through compiled static-shape forwards (engine/static_forward.py).
+    # Off by default on every device: on the CPU it is a capturability proof, not a speed-up; on CUDA it is not yet
+    # measured (CUDA graph capture has never run on a GPU).
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -68,6 +72,8 @@ class EngineConfig:
             raise ConfigError(f"gemm must be auto, packed or default, got {self.gemm!r}")
         if self.attn_implementation not in ("sdpa", "eager"):
             raise ConfigError(f"attn_implementation must be 'sdpa' or 'eager', got {self.attn_implementation!r}")
+        if self.compile and self.attn_implementation == "eager":
+            raise ConfigError("compile needs attn_implementation 'sdpa' (exspec's attention), not 'eager'")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -23,6 +23,7 @@ from exspec.engine.sampling import (
     sample_from_probs,
 )
 from exspec.engine.sequence import SeqState
+from exspec.engine.static_forward import StaticForward, bucket_for
 from exspec.engine.types import PrefillBatch, SeqOutput, StepBatch, StepOutput
 from exspec.errors import CapacityError, ConfigError, InvalidRequestError
 
@@ -120,6 +121,7 @@ class SpecEngine:
         self._seqs: dict[int, SeqState] = {}
         self._seed_rng = random.Random(seed)
         self._clock = _Clock(dev)
+        self._static: dict[tuple[bool, int, int], StaticForward] = {}  # (draft?, bucket, Q): config.compile only
         self._warm_up()
 
     # ------------------------------------------------------------------ admission
@@ -402,15 +404,28 @@ class SpecEngine:
             proposed.append(tok)
             if i < plan.k - 1:
                 starts_i = [n + i for n in plan.lengths]
-                logits = self.draft.extend(tok, starts_i, list(plan.slots), force_per_row=mixed)  # [B, 1, V]
+                logits = self._forward(self.draft, tok, starts_i, list(plan.slots), mixed)  # [B, 1, V]
         return Draft(torch.cat(proposed, dim=1), torch.cat(probs, dim=1) if probs else None)
+
+    def _forward(self, runner: ModelRunner, tokens: torch.Tensor, starts: list[int], slots: list[int],
+                 mixed: bool) -> torch.Tensor:  # [B, Q, V]
+        """A draft token's or the verify's forward: `runner.extend`, or with `config.compile` the compiled
+        static-shape forward of the batch's bucket and Q (engine/static_forward.py), built at its first use."""
+        if not self.config.compile:
+            return runner.extend(tokens, starts, slots, force_per_row=mixed)
+        key = (runner is self.draft, bucket_for(tokens.shape[0]), tokens.shape[1])
+        static = self._static.get(key)
+        if static is None:
+            static = self._static[key] = StaticForward(runner, key[1], key[2])
+            static.compile()
+        return static.run(tokens, starts, slots)
 
     def _verify(self, plan: StepPlan, draft: Draft | None) -> torch.Tensor:
         """One target forward over [pending, d_1 .. d_k] per row: logits [B, k + 1, V]."""
         last_tok = self.token_buf[plan.slot_t, plan.len_t - 1][:, None]  # [B, 1]
         verify_in = torch.cat([last_tok, draft.tokens], dim=1) if draft is not None else last_tok  # [B, k + 1]
         starts = [n - 1 for n in plan.lengths]
-        logits = self.target.extend(verify_in, starts, list(plan.slots), force_per_row=not plan.grouped)
+        logits = self._forward(self.target, verify_in, starts, list(plan.slots), not plan.grouped)  # [B, k + 1, V]
         return self._suppress_stops(logits, plan.states, list(plan.generated))
 
     def _accept(self, plan: StepPlan, draft: Draft | None, logits: torch.Tensor):

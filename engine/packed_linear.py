@@ -54,7 +54,9 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.numel() // self.in_features
-        if rows <= 1 and torch.get_num_threads() == 1:
+        # Under torch.compile (engine/static_forward.py) the plain linear: the prepacked copy's lazy refresh is a
+        # Python side effect a graph cannot hold (the compiler does its own weight layouts).
+        if torch.compiler.is_compiling() or (rows <= 1 and torch.get_num_threads() == 1):
             return torch.nn.functional.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)  # [rows, in]
         out = torch.ops.mkldnn._linear_pointwise(flat, self._packed_weight(), self.bias, "none", [], "")  # [rows, out]

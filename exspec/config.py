@@ -56,6 +56,8 @@ class Settings(BaseSettings):
     attention_backend: str = "auto"  # auto or one of attention_backends(): how attention reads the KV blocks
     kv_cache_memory: str | None = None  # KV pool: a fraction of the memory free after the weights, or bytes ("4GiB")
     gemm: str = "auto"  # auto | packed | default: oneDNN-prepacked linears for multi-row CPU forwards
+    # draft and verify forwards compiled at static shapes (engine/static_forward.py); off everywhere until measured
+    compile: bool = False
     # the scheduler
     speculation: str = DEFAULT_SPECULATION
     max_batch_size: int = Field(default=8, ge=1, le=4096)  # B: sequences per speculative step
@@ -246,6 +248,7 @@ def resolve(
         max_num_speculative_tokens=k,
         attention=settings.attention_backend,
         gemm=settings.gemm,
+        compile=settings.compile,
         kv_cache_memory=settings.resolved_kv_cache_memory,
     )
     scheduler = SchedulerConfig(

@@ -53,6 +53,15 @@ def test_env_then_flags(monkeypatch, tmp_path):
     assert (s.port, s.max_batch_size, s.api_key, s.model, s.served_model_name) == (9001, 2, "from-env", tmp_path, "m")
 
 
+def test_compile_flag_and_variable(monkeypatch):
+    assert _settings().compile is False  # off by default on every device until measured
+    monkeypatch.setenv("EXSPEC_COMPILE", "1")
+    assert _settings().compile is True
+    assert _settings("--no-compile").compile is False  # a flag wins over the variable
+    monkeypatch.delenv("EXSPEC_COMPILE")
+    assert _settings("--compile").compile is True
+
+
 @pytest.mark.parametrize(
     "argv, env, needle",
     [
