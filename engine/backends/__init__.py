@@ -8,7 +8,7 @@ K/V of the forward are already written into the pools when `forward` runs.
 To add a backend: a file here named as the backend, with a class decorated `@register("name")`, imported at
 the bottom of this file (docs/ARCHITECTURE.md has a worked example). `--attention-backend` lists `names()`
 (`exspec.registry.listed` reads them from the file names, torch-free); "auto" resolves with
-`default_backend(device)`, from each backend's own `default_for`.
+`default_backend(device)`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from exspec.config import ATTENTION_DEFAULT
 from exspec.engine.kv_cache import ForwardMeta
 from exspec.registry import Registry
 
@@ -28,7 +29,6 @@ class AttentionBackend:
 
     name: ClassVar[str]
     needs_mask: ClassVar[bool] = True  # the runner builds ForwardMeta.mask ([1 or B, 1, Q, kv_len] bool)
-    default_for: ClassVar[tuple[str, ...]] = ()  # device types ("cpu", "cuda") whose "auto" is this backend
 
     @classmethod
     def available(cls, device: torch.device) -> bool:
@@ -51,7 +51,6 @@ class AttentionBackend:
 
 BACKENDS: Registry[type[AttentionBackend]] = Registry("attention backend", __name__)
 register = BACKENDS.register
-FALLBACK = "reference"  # runs on every device: "auto" where the device's default cannot run
 
 
 def names() -> tuple[str, ...]:
@@ -64,10 +63,10 @@ def available_names(device: torch.device) -> tuple[str, ...]:
 
 
 def default_backend(device: torch.device) -> str:
-    """The backend whose `default_for` names the device type (`triton` on CUDA, `sdpa` on the CPU: measured
+    """exspec.config.ATTENTION_DEFAULT for the device type (`triton` on CUDA, `sdpa` on the CPU: measured
     fastest there, docs/BENCHMARKS.md), `reference` where that one cannot run."""
-    preferred = next((n for n, cls in BACKENDS.items() if device.type in cls.default_for), FALLBACK)
-    return preferred if BACKENDS.get(preferred).available(device) else FALLBACK
+    preferred = ATTENTION_DEFAULT.get(device.type, "reference")
+    return preferred if BACKENDS.get(preferred).available(device) else "reference"
 
 
 def create(name: str, device: torch.device) -> AttentionBackend:

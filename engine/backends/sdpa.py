@@ -25,8 +25,6 @@ class RowsPlan:
 class RowSdpaBackend(AttentionBackend):
     """PyTorch SDPA per row over views of contiguous blocks"""
 
-    default_for = ("cpu",)  # "auto" on this device type (docs/BENCHMARKS.md: measured fastest there)
-
     def plan(self, meta: ForwardMeta) -> RowsPlan:
         rows = tuple((start + meta.q_len, first) for start, first in zip(meta.starts, meta.first_blocks))
         return RowsPlan(rows, meta.block_tables, meta.mask if (meta.q_len > 1 or meta.window) else None)

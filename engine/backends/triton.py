@@ -18,7 +18,6 @@ from exspec.engine.kv_cache import ForwardMeta
 class TritonBackend(AttentionBackend):
     """needs the triton package, and CUDA or TRITON_INTERPRET=1"""
 
-    default_for = ("cuda",)  # "auto" on this device type (docs/BENCHMARKS.md: measured fastest there)
     needs_mask = False  # the kernel masks by position itself
 
     @classmethod
