@@ -31,7 +31,8 @@ class Registry(Generic[T]):
         self._classes: dict[str, T] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
-        """Class decorator: registers the class under `name` and sets its `name` attribute."""
+        """Class decorator: registers the class under `name` and sets its `name` attribute. The class must live in
+        the folder's file of that name (`listed()` reads the names from the files), or in a test module."""
 
         def wrap(cls: T) -> T:
             if cls.__module__ != f"{self.package}.{name}" and not cls.__module__.startswith(("tests.", "__main__")):
