@@ -38,6 +38,11 @@ def test_the_builtin_policies_are_one_file_each():
         policies.create("psychic", 4)
     with pytest.raises(ExspecError, match="speculation must be one of auto, fixed, adaptive"):
         SchedulerConfig(speculation="psychic")
+    with pytest.raises(ValueError, match="speculation policy 'fixed' is registered twice"):
+        register("fixed")(ShrinkPolicy)
+    with pytest.raises(TypeError, match="must live in scheduler/policies/shrink.py"):
+        register("shrink")(type("Elsewhere", (SpeculationPolicy,), {"__module__": "exspec.scheduler.core"}))
+    assert "shrink" not in policies.names()
 
 
 def test_a_registered_policy_runs_in_the_scheduler(shrink):
