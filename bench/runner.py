@@ -56,7 +56,7 @@ from exspec.engine import (
     SpecEngine,
     load_model_pair,
 )
-from exspec.scheduler import SchedulerConfig, SpeculationPolicy, generate_offline
+from exspec.scheduler import SchedulerConfig, SpeculationPolicy, generate_offline, policies
 
 from exspec.errors import BenchError
 
@@ -360,7 +360,7 @@ class Bench:
         sched = self._scheduler_config(method, b)
         # One policy per (method, B), kept across the warm-up and the timed runs as a server's scheduler keeps
         # it across requests: each run then measures the policy's steady state, not its first steps again.
-        policy = SpeculationPolicy(sched.speculation, k)
+        policy = policies.create(sched.speculation, k)
         self._policies[(method, b)] = policy
 
         def run(prompts: list[list[int]], warmup: bool = False) -> RunResult:

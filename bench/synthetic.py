@@ -19,9 +19,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
 from exspec.data import encode_prompts, load_questions, read_rows
 from exspec.demo.tokenizer import train_bpe
-
+from exspec.engine.random_model import causal_lm_config, random_causal_lm
 from exspec.errors import SyntheticError
 
 DEFAULT_CACHE = Path.home() / ".cache" / "exspec" / "synthetic"
@@ -75,38 +76,25 @@ def build_tokenizer(out_dir: Path, vocab_size: int):
 
 
 def _llama_config(shape: SyntheticShape, layers: int, tokenizer):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
-        max_position_embeddings=shape.max_position_embeddings,
-        rope_theta=shape.rope_theta,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        architectures=["LlamaForCausalLM"],
+    return causal_lm_config(
+        "llama", shape.vocab_size, layers=layers, hidden=shape.hidden_size, intermediate=shape.intermediate_size,
+        heads=shape.num_heads, kv_heads=shape.num_kv_heads, positions=shape.max_position_embeddings,
+        rope_theta=shape.rope_theta, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, architectures=["LlamaForCausalLM"],
     )
 
 
 @torch.no_grad()
 def build_models(shape: SyntheticShape, tokenizer, seed: int, device: str = "cpu"):
     """(target, draft) modules: the random target with its later layers scaled down, and its first layers."""
-    from transformers import AutoModelForCausalLM
-
     dtype = getattr(torch, shape.build_dtype)
     torch.manual_seed(seed)
     with torch.device(device):  # created in place, in the build dtype: an 8b target never exists in fp32
-        target = AutoModelForCausalLM.from_config(_llama_config(shape, shape.num_layers, tokenizer), dtype=dtype)
+        target = random_causal_lm(_llama_config(shape, shape.num_layers, tokenizer), dtype=dtype)
         for layer in target.model.layers[shape.draft_layers:]:
             layer.self_attn.o_proj.weight.mul_(shape.scale)
             layer.mlp.down_proj.weight.mul_(shape.scale)
-        draft = AutoModelForCausalLM.from_config(_llama_config(shape, shape.draft_layers, tokenizer), dtype=dtype)
+        draft = random_causal_lm(_llama_config(shape, shape.draft_layers, tokenizer), dtype=dtype)
     state = {k: v for k, v in target.state_dict().items()
              if not k.startswith("model.layers.") or int(k.split(".")[2]) < shape.draft_layers}
     draft.load_state_dict(state)

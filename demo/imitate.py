@@ -57,25 +57,17 @@ def new_draft(target_config, shape: DraftShape, target_embedding=None):
     tied head; its embedding is `project_embedding(target_embedding)` when given (else random, from torch's
     global RNG, like the layers)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from exspec.engine.random_model import causal_lm_config, random_causal_lm
 
     tc = target_config
-    cfg = LlamaConfig(
-        vocab_size=tc.vocab_size,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        max_position_embeddings=tc.max_position_embeddings,
+    cfg = causal_lm_config(
+        "llama", tc.vocab_size, layers=shape.layers, hidden=shape.hidden, intermediate=shape.intermediate,
+        heads=shape.heads, kv_heads=shape.kv_heads, positions=tc.max_position_embeddings,
         rope_parameters=dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}),
-        rms_norm_eps=tc.rms_norm_eps,
-        tie_word_embeddings=True,
-        bos_token_id=tc.bos_token_id,
-        eos_token_id=tc.eos_token_id,
-        pad_token_id=tc.pad_token_id,
+        rms_norm_eps=tc.rms_norm_eps, tie_word_embeddings=True, bos_token_id=tc.bos_token_id,
+        eos_token_id=tc.eos_token_id, pad_token_id=tc.pad_token_id,
     )
-    draft = LlamaForCausalLM(cfg)
+    draft = random_causal_lm(cfg)
     if target_embedding is not None:
         with torch.no_grad():
             draft.model.embed_tokens.weight.copy_(project_embedding(target_embedding, shape.hidden))

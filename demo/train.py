@@ -9,27 +9,19 @@ import sys
 from exspec.demo.recipe import DemoBuildError, DemoRecipe, ModelShape
 from exspec.demo.threads import ThreadTuner
 from exspec.demo.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from exspec.engine.random_model import causal_lm_config, random_causal_lm
 
 
 def new_llama(shape: ModelShape, vocab_size: int):
     """A randomly initialised Llama causal LM of this shape (from torch's global RNG)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+    from transformers import GenerationConfig
 
-    cfg = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
+    cfg = causal_lm_config(
+        "llama", vocab_size, layers=shape.layers, hidden=shape.hidden, intermediate=shape.intermediate,
+        heads=shape.heads, kv_heads=shape.kv_heads, positions=4096, rope_theta=10000.0, tie_word_embeddings=False,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
     )
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    model = random_causal_lm(cfg, attn_implementation="sdpa")
     # Saved with the model: greedy by default, and no sampling defaults (top_k=50, ...) that greedy calls
     # would then have to override.
     model.generation_config = GenerationConfig(

@@ -7,7 +7,6 @@ Kept free of torch at import time, so that `exspec --help` stays fast.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from exspec.errors import ConfigError
+from exspec.registry import listed
 
 if TYPE_CHECKING:
     from exspec.engine.config import EngineConfig
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 DEMO_PAIRS = ("smollm2", "tiny")  # the built-in pairs (exspec.demo.recipe's scales a user may pick)
 DEFAULT_DEMO = "smollm2"  # SmolLM2-135M-Instruct and a draft distilled from it
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
-SPECULATION_MODES = ("auto", "fixed", "adaptive")
+SPECULATION_MODES = listed("exspec.scheduler.policies")  # scheduler/policies/, read without importing torch
 DEFAULT_SPECULATION = "auto"  # the scheduler's own default (SchedulerConfig.speculation): k from modelled goodput
 # The KV pool's default share of the memory free once the weights are loaded (--kv-cache-memory): most of a
 # GPU (vLLM's --gpu-memory-utilization is 0.9 of the whole GPU), a modest part of the RAM a CPU host still has
@@ -150,9 +150,7 @@ def parse_kv_cache_memory(value: str | None) -> float | int | None:
 def attention_backends() -> tuple[str, ...]:
     """The attention backends: engine/backends/, one file per backend named as it, listed without importing the
     engine (torch), so that `--help` stays fast. The registry checks that each file registers its own name."""
-    spec = importlib.util.find_spec("exspec.engine")
-    folder = Path(next(iter(spec.submodule_search_locations))) / "backends"
-    return tuple(sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__"))
+    return listed("exspec.engine.backends")
 
 
 def load_settings(given: dict) -> Settings:

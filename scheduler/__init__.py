@@ -6,7 +6,8 @@ from exspec.engine.params import SamplingParams
 from exspec.scheduler.async_scheduler import AsyncScheduler, RequestStream
 from exspec.scheduler.core import EngineProtocol, SchedulerCore
 from exspec.scheduler.offline import OfflineResult, RunSummary, generate_offline
-from exspec.scheduler.policy import BatchChoice, Candidate, SpeculationPolicy, choose_batch
+from exspec.scheduler.policies import SpeculationPolicy
+from exspec.scheduler.policy import BatchChoice, Candidate, choose_batch
 from exspec.scheduler.types import QueueFullError, RequestOutput, SchedulerClosedError, SchedulerConfig, StepStats
 
 __all__ = [

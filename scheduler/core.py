@@ -17,7 +17,9 @@ from typing import Any, Protocol
 from exspec.engine.params import SamplingParams
 from exspec.engine.types import PrefillBatch, PrefillChunk, StepBatch, StepOutput
 from exspec.errors import CapacityError, ConfigError, ExspecError, InvalidRequestError
-from exspec.scheduler.policy import Candidate, SpeculationPolicy, age_threshold_for, choose_batch, plan_prefill
+from exspec.scheduler import policies
+from exspec.scheduler.policies import SpeculationPolicy
+from exspec.scheduler.policy import Candidate, age_threshold_for, choose_batch, plan_prefill
 from exspec.scheduler.request import IncrementalDetokenizer, Request, RequestState
 from exspec.scheduler.stopping import StopRule
 from exspec.scheduler.types import RequestOutput, SchedulerConfig, StepStats
@@ -80,7 +82,7 @@ class SchedulerCore:
         self.engine = engine
         self.config = config
         k_max = config.num_speculative_tokens if engine.has_draft else 0
-        self.speculation = speculation or SpeculationPolicy(config.speculation, k_max)
+        self.speculation = speculation or policies.create(config.speculation, k_max)
         self.waiting: deque[Request] = deque()
         self.pool: list[Request] = []  # admitted: prefilling or running, in arrival order
         self._by_seq: dict[int, Request] = {}  # engine sequence id -> request, while admitted
@@ -224,9 +226,9 @@ class SchedulerCore:
         """The parameters the engine is given for `req`: on a re-add after a preemption, such that it continues
         exactly where it was (the same seed; min_tokens and max_tokens counted from its new, longer prompt)."""
         params = req.params
-        if self.config.speculation != "fixed" and params.seed is not None and not params.greedy:
-            # Under a timing-driven policy k varies from run to run, and with it which random numbers a
-            # sampled row uses: a seeded request decodes without drafts, so its seed reproduces exactly.
+        if self.speculation.k_varies and params.seed is not None and not params.greedy:
+            # Under a policy whose k varies from run to run, so does which random numbers a sampled row
+            # uses: a seeded request decodes without drafts, so its seed reproduces exactly.
             params = replace(params, use_speculation=False)
         if params.seed is None and not params.greedy:
             # A seed of the scheduler's rather than one the engine draws, so that a re-add samples on with it

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from exspec.engine.params import SamplingParams
 from exspec.scheduler.core import EngineProtocol, SchedulerCore
-from exspec.scheduler.policy import SpeculationPolicy
+from exspec.scheduler.policies import SpeculationPolicy
 from exspec.scheduler.request import Request
 from exspec.scheduler.types import SchedulerConfig, StepStats
 

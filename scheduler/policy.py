@@ -1,4 +1,5 @@
-"""Pure scheduling policy, no model and no clock: which sequences run next, and with how many drafts.
+"""Pure scheduling policy, no model and no clock: which sequences run next (how many drafts they get: the
+speculation policies, scheduler/policies/).
 
 Batch choice (`choose_batch`), per decode step, over the live pool of W sequences:
 1. Aging. If the longest-waiting sequence has waited `age_threshold` steps or more, the step is a *fair*
@@ -21,7 +22,6 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from exspec.scheduler.speculation import ModelPolicy, bucket
 
 
 @dataclass(frozen=True)
@@ -105,87 +105,3 @@ def plan_prefill(remaining: list[int], budget: int) -> tuple[int, int]:
             break  # a full step: no longer prefix prefills more
     best = whole if 2 * whole[0] >= cut[0] else cut
     return best[1], best[2]
-
-
-class SpeculationPolicy:
-    """How many draft tokens a step uses.
-
-    fixed: always k (0 turns speculation off).
-    adaptive: per batch-size bucket (powers of two), keep an exponential moving average of emitted tokens
-    per second for each candidate k in {0, 1, 2, 4, ..., k_max}; try each candidate a few times, then use
-    the best, re-trying the others now and then (every `explore_every` steps) since costs drift. Down to
-    k = 0 when the batch is large enough that speculation loses.
-    auto (the default): `speculation.ModelPolicy`, k from a model of per-position acceptance and of step
-    cost per batch size and k (see there).
-    """
-
-    def __init__(self, mode: str, k_max: int, warmup: int = 2, explore_every: int = 50, ema: float = 0.3) -> None:
-        self.mode = mode
-        self.k_max = k_max
-        self.candidates = sorted({0, k_max} | {k for k in (1, 2, 4, 8, 16, 32) if k < k_max})
-        self.warmup = warmup
-        self.explore_every = explore_every
-        self.ema = ema
-        self._rate: dict[tuple[int, int], float] = {}  # (bucket, k) -> tokens/s
-        self._count: dict[tuple[int, int], int] = defaultdict(int)
-        self._steps: dict[int, int] = defaultdict(int)
-        self._auto = ModelPolicy(k_max) if mode == "auto" else None
-
-    bucket = staticmethod(bucket)
-
-    def choose(self, batch_size: int) -> int:
-        if self.mode == "fixed" or self.k_max == 0:
-            return self.k_max
-        if self._auto is not None:
-            return self._auto.choose(batch_size)
-        b = self.bucket(batch_size)
-        self._steps[b] += 1
-        for k in self.candidates:  # warm-up: measure every candidate
-            if self._count[(b, k)] < self.warmup:
-                return k
-        if self._steps[b] % self.explore_every == 0:  # periodic re-measurement, round robin
-            return self.candidates[(self._steps[b] // self.explore_every) % len(self.candidates)]
-        return max(self.candidates, key=lambda k: self._rate[(b, k)])
-
-    def drafting(self) -> bool:
-        """Whether steps are expected to draft: False only when the policy has measured that the batch sizes
-        it runs gain nothing from drafts, so prompts can be prefilled without the draft (a step that drafts
-        catches it up)."""
-        if self.k_max == 0:
-            return False
-        return self._auto.drafting() if self._auto is not None else True
-
-    def observe(
-        self,
-        batch_size: int,
-        k: int,
-        num_tokens: int,
-        seconds: float,
-        catchup_s: float = 0.0,
-        accepted: tuple[int, ...] = (),
-        drafting_rows: int | None = None,
-    ) -> None:
-        """A decode step's result: `seconds` of wall time, of which `catchup_s` fed the draft tokens it skipped
-        (paid once per token, not a cost of k); `accepted[i]`: rows whose (i + 1)-th draft was accepted;
-        `drafting_rows`: rows that proposed drafts (None: all)."""
-        if self.mode == "fixed" or seconds <= 0:
-            return
-        if self._auto is not None:
-            self._auto.observe(batch_size, k, num_tokens, seconds, catchup_s, accepted, drafting_rows)
-            return
-        seconds -= min(catchup_s, 0.9 * seconds)
-        key = (self.bucket(batch_size), k)
-        rate = num_tokens / seconds
-        self._count[key] += 1
-        old = self._rate.get(key)
-        self._rate[key] = rate if old is None else (1 - self.ema) * old + self.ema * rate
-
-    def rates(self) -> dict[tuple[int, int], float]:
-        """adaptive: (bucket, k) -> measured tokens/s; auto: (bucket, k) -> modelled tokens per row-second."""
-        if self._auto is None:
-            return dict(self._rate)
-        return {(b, k): g for b in self._auto.summary() for k, g in self._auto.plan(b)[2].items()}
-
-    def summary(self) -> dict:
-        """auto: per bucket, steps per k and the exploration's share of decode seconds; {} otherwise."""
-        return self._auto.summary() if self._auto is not None else {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from exspec.errors import ExspecError, QueueFullError, SchedulerClosedError  # noqa: F401 (re-exported)
+from exspec.scheduler import policies
 
 
 @dataclass(frozen=True)
@@ -13,7 +14,7 @@ class SchedulerConfig:
     pool_size: int = 32  # W >= B: live (prefilled, running) sequences the pool holds
     max_waiting: int = 256  # requests queued before admission; beyond it submit() raises QueueFullError
     num_speculative_tokens: int = 4  # k (fixed policy) or the largest k (adaptive policy)
-    speculation: str = "auto"  # "auto" (k from modelled acceptance and cost, speculation.ModelPolicy) | "fixed" | "adaptive"
+    speculation: str = "auto"  # a speculation policy in scheduler/policies/ (policies.names()): auto | fixed | adaptive
     min_group_size: int = 0  # a same-length group smaller than this runs as a mixed batch; 0: B // 2 (at least 2)
     max_wait_steps: int = 8  # aging: a running sequence waits at most this many decode steps
     max_prefill_tokens: int = 512  # rows x width of a prefill step at most, padding included (chunked beyond it)
@@ -30,8 +31,8 @@ class SchedulerConfig:
             bad("max_waiting", ">= 1", self.max_waiting)
         if not 0 <= self.num_speculative_tokens <= 32:
             bad("num_speculative_tokens", "in [0, 32]", self.num_speculative_tokens)
-        if self.speculation not in ("auto", "fixed", "adaptive"):
-            bad("speculation", "'auto', 'fixed' or 'adaptive'", self.speculation)
+        if self.speculation not in policies.names():
+            bad("speculation", f"one of {', '.join(policies.names())}", self.speculation)
         if self.min_group_size < 0:
             bad("min_group_size", ">= 0", self.min_group_size)
         if self.max_wait_steps < 1:

@@ -13,10 +13,11 @@ import statistics
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from exspec.engine.attention import register
 from exspec.engine.packed_linear import PackedLinear
+from exspec.engine.random_model import causal_lm_config, random_causal_lm
 from exspec.bench.forward import block_layouts
 from exspec.engine.runner import ModelRunner
 
@@ -41,10 +42,9 @@ def main() -> None:
     if args.model:
         base = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation=register()).eval()
     else:
-        cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                          num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab)
-        cfg._attn_implementation = register()
-        base = LlamaForCausalLM(cfg).eval()
+        cfg = causal_lm_config("llama", args.vocab, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                               positions=2048, intermediate=args.intermediate, kv_heads=args.kv_heads)
+        base = random_causal_lm(cfg, attn_implementation=register()).eval()
     packed = copy.deepcopy(base)
     for parent in list(packed.modules()):
         for name, child in list(parent.named_children()):

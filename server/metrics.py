@@ -6,12 +6,14 @@ Two families are exported from the same events:
 - `vllm:*`: vLLM's documented production metrics, with vLLM's names, types, units, labels (`model_name`,
   `engine`) and buckets, so that vLLM's Grafana dashboards, `vllm bench serve`'s speculative-decoding report
   and other tools built for vLLM read exspec unchanged.
-A quantity both families share is one `_Twin`: one call updates both, so the two can never disagree.
+Every metric is one row of `METRICS`, which gives its name in each family it belongs to (its twin's, when
+both do); a quantity both families share is one `_Twin`: one call updates both, so the two can never disagree.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -19,56 +21,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 if TYPE_CHECKING:
     from exspec.scheduler.types import RequestOutput, StepStats
 
-# The exact family names /metrics exports (counters with their `_total`, as in the text format's TYPE lines).
-EXSPEC_METRIC_NAMES: tuple[str, ...] = (
-    "exspec_num_requests_running",
-    "exspec_num_requests_waiting",
-    "exspec_kv_slots_used_ratio",
-    "exspec_kv_cache_usage_perc",
-    "exspec_num_preemptions_total",
-    "exspec_prompt_tokens_total",
-    "exspec_generation_tokens_total",
-    "exspec_request_success_total",
-    "exspec_spec_decode_num_drafts_total",
-    "exspec_spec_decode_num_draft_tokens_total",
-    "exspec_spec_decode_num_accepted_tokens_total",
-    "exspec_spec_decode_num_accepted_tokens_per_pos_total",
-    "exspec_scheduler_steps_total",
-    "exspec_time_to_first_token_seconds",
-    "exspec_inter_token_latency_seconds",
-    "exspec_e2e_request_latency_seconds",
-    "exspec_request_queue_time_seconds",
-    "exspec_step_duration_seconds",
-    "exspec_batch_size",
-    "exspec_acceptance_length",
-)
-# vLLM's names (vllm/v1/metrics/loggers.py, vllm/v1/spec_decode/metrics.py), each labelled model_name and engine.
-VLLM_METRIC_NAMES: tuple[str, ...] = (
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
-    "vllm:kv_cache_usage_perc",
-    "vllm:num_preemptions_total",
-    "vllm:prompt_tokens_total",
-    "vllm:generation_tokens_total",
-    "vllm:request_success_total",
-    "vllm:spec_decode_num_drafts_total",
-    "vllm:spec_decode_num_draft_tokens_total",
-    "vllm:spec_decode_num_accepted_tokens_total",
-    "vllm:spec_decode_num_accepted_tokens_per_pos_total",
-    "vllm:iteration_tokens_total",  # a histogram, despite its name (as in vLLM)
-    "vllm:request_prompt_tokens",
-    "vllm:request_generation_tokens",
-    "vllm:time_to_first_token_seconds",
-    "vllm:inter_token_latency_seconds",
-    "vllm:time_per_output_token_seconds",
-    "vllm:request_time_per_output_token_seconds",
-    "vllm:e2e_request_latency_seconds",
-    "vllm:request_queue_time_seconds",
-    "vllm:request_inference_time_seconds",
-    "vllm:request_prefill_time_seconds",
-    "vllm:request_decode_time_seconds",
-)
-METRIC_NAMES: tuple[str, ...] = EXSPEC_METRIC_NAMES + VLLM_METRIC_NAMES
 VLLM_LABELS = ("model_name", "engine")  # every vllm:* series carries both; engine is always "0" here
 FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM creates a success series per reason up front
 
@@ -99,11 +51,108 @@ _VLLM_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 _VLLM_TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**e <= 1_000_000)
 
 
+@dataclass(frozen=True)
+class Metric:
+    """One metric: its names in the two families (None: not in that family), its type, help and buckets."""
+
+    attr: str  # the ServerMetrics attribute updates go through
+    kind: type  # Gauge | Counter | Histogram
+    exspec: str | None  # exspec_* name (a counter's without `_total`, as prometheus-client takes it)
+    vllm: str | None  # vllm:* name, labelled model_name and engine
+    doc: str  # help of the exspec_* series
+    vllm_doc: str = ""  # help of the vllm:* series
+    labels: tuple[str, ...] = ()  # labels of its own (beyond vLLM's model_name and engine)
+    buckets: tuple[float, ...] | None = None  # histograms: exspec_*'s buckets
+    vllm_buckets: tuple[float, ...] | None = None  # histograms: vllm:*'s buckets (vLLM's own)
+
+    def exported(self) -> tuple[str, ...]:
+        """The family names /metrics shows (counters with their `_total`, as in the text format's TYPE lines)."""
+        suffix = "_total" if self.kind is Counter else ""
+        return tuple(n + suffix for n in (self.exspec, self.vllm) if n is not None)
+
+
+# In registration order (the order of /metrics): the twins, then exspec's own, then vLLM's own.
+METRICS: tuple[Metric, ...] = (
+    # --- shared by both families (scheduler state, token counts, speculation, request latencies)
+    Metric("num_running", Gauge, "exspec_num_requests_running", "vllm:num_requests_running",
+           "Requests in the running pool", "Requests in the running pool (vLLM's name)"),
+    Metric("num_waiting", Gauge, "exspec_num_requests_waiting", "vllm:num_requests_waiting",
+           "Requests queued before admission", "Requests queued before admission (vLLM's name)"),
+    Metric("kv_usage", Gauge, "exspec_kv_cache_usage_perc", "vllm:kv_cache_usage_perc",
+           "Fraction of KV cache blocks in use (0..1)", "Fraction of KV cache blocks in use, 0..1 (vLLM's name)"),
+    Metric("preemptions", Counter, "exspec_num_preemptions", "vllm:num_preemptions",
+           "Running sequences preempted (KV blocks freed, recomputed later)",
+           "Cumulative number of preemptions (vLLM's name)"),
+    Metric("prompt_tokens", Counter, "exspec_prompt_tokens", "vllm:prompt_tokens", "Prompt tokens prefilled",
+           "Prompt tokens prefilled (vLLM's name)"),
+    Metric("generation_tokens", Counter, "exspec_generation_tokens", "vllm:generation_tokens", "Tokens generated",
+           "Tokens generated (vLLM's name)"),
+    Metric("request_success", Counter, "exspec_request_success", "vllm:request_success",
+           "Finished requests, by finish reason", "Finished requests by finish reason (vLLM's name)",
+           ("finished_reason",)),
+    Metric("drafts", Counter, "exspec_spec_decode_num_drafts", "vllm:spec_decode_num_drafts",
+           "Drafts verified: one per sequence per speculative step that proposed draft tokens",
+           "Sequences verified with draft tokens, per step (vLLM's name)"),
+    Metric("draft_tokens", Counter, "exspec_spec_decode_num_draft_tokens", "vllm:spec_decode_num_draft_tokens",
+           "Draft tokens proposed (rows that opted out of speculation propose none)",
+           "Draft tokens proposed (vLLM's name)"),
+    Metric("accepted_tokens", Counter, "exspec_spec_decode_num_accepted_tokens",
+           "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted by the target",
+           "Draft tokens accepted (vLLM's name)"),
+    Metric("accepted_per_pos", Counter, "exspec_spec_decode_num_accepted_tokens_per_pos",
+           "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens, by draft position (0-based)",
+           "Accepted draft tokens by 0-based position (vLLM's name)", ("position",)),
+    Metric("ttft", Histogram, "exspec_time_to_first_token_seconds", "vllm:time_to_first_token_seconds",
+           "Arrival to first token", "Arrival to first token, seconds (vLLM's name)",
+           buckets=_LATENCY_BUCKETS, vllm_buckets=_VLLM_TTFT_BUCKETS),
+    Metric("e2e", Histogram, "exspec_e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds",
+           "Arrival to last token", "Arrival to last token, seconds (vLLM's name)",
+           buckets=_LATENCY_BUCKETS, vllm_buckets=_VLLM_REQUEST_BUCKETS),
+    Metric("queue_time", Histogram, "exspec_request_queue_time_seconds", "vllm:request_queue_time_seconds",
+           "Submit to first scheduled", "Submit to first scheduled, seconds (vLLM's name)",
+           buckets=_LATENCY_BUCKETS, vllm_buckets=_VLLM_REQUEST_BUCKETS),
+    # --- exspec only
+    Metric("kv_slots", Gauge, "exspec_kv_slots_used_ratio", None, "Fraction of sequence slots in use (0..1)"),
+    Metric("itl", Histogram, "exspec_inter_token_latency_seconds", None,
+           "Time per output token after the first (a delta of n tokens counts n times its gap / n)",
+           buckets=_ITL_BUCKETS),
+    Metric("steps", Counter, "exspec_scheduler_steps", None, "Scheduler steps, by kind", labels=("kind",)),
+    Metric("step_duration", Histogram, "exspec_step_duration_seconds", None, "Seconds per step phase",
+           labels=("phase",), buckets=_STEP_BUCKETS),
+    Metric("batch_size", Histogram, "exspec_batch_size", None, "Sequences per decode step", buckets=_BATCH_BUCKETS),
+    Metric("acceptance_length", Histogram, "exspec_acceptance_length", None,
+           "Per speculative step: mean tokens emitted per sequence (1 + accepted drafts)", buckets=_ACCEPT_BUCKETS),
+    # --- vLLM only: vLLM's own definitions, derived from the same events
+    Metric("vllm_itl", Histogram, None, "vllm:inter_token_latency_seconds", "",
+           "Seconds between two steps that brought a request tokens (vLLM's name)", vllm_buckets=_VLLM_ITL_BUCKETS),
+    Metric("vllm_tpot", Histogram, None, "vllm:time_per_output_token_seconds", "",
+           "Same as vllm:inter_token_latency_seconds (vLLM's older, deprecated name)", vllm_buckets=_VLLM_ITL_BUCKETS),
+    Metric("vllm_request_tpot", Histogram, None, "vllm:request_time_per_output_token_seconds", "",
+           "Per request: decode seconds / (generated tokens - 1) (vLLM's name)", vllm_buckets=_VLLM_ITL_BUCKETS),
+    Metric("vllm_iteration_tokens", Histogram, None, "vllm:iteration_tokens_total", "",  # a histogram, as in vLLM
+           "Prompt and generated tokens per scheduler step (vLLM's name)", vllm_buckets=_VLLM_ITERATION_BUCKETS),
+    Metric("vllm_prompt_len", Histogram, None, "vllm:request_prompt_tokens", "",
+           "Prompt tokens per finished request (vLLM's name)", vllm_buckets=_VLLM_TOKEN_COUNT_BUCKETS),
+    Metric("vllm_generation_len", Histogram, None, "vllm:request_generation_tokens", "",
+           "Generated tokens per finished request (vLLM's name)", vllm_buckets=_VLLM_TOKEN_COUNT_BUCKETS),
+    Metric("vllm_inference_time", Histogram, None, "vllm:request_inference_time_seconds", "",
+           "First scheduled to last token, seconds (vLLM's name)", vllm_buckets=_VLLM_REQUEST_BUCKETS),
+    Metric("vllm_prefill_time", Histogram, None, "vllm:request_prefill_time_seconds", "",
+           "First scheduled to first token, seconds (vLLM's name)", vllm_buckets=_VLLM_REQUEST_BUCKETS),
+    Metric("vllm_decode_time", Histogram, None, "vllm:request_decode_time_seconds", "",
+           "First to last token, seconds (vLLM's name)", vllm_buckets=_VLLM_REQUEST_BUCKETS),
+)
+# The exact family names /metrics exports; vLLM's as in vllm/v1/metrics/loggers.py and vllm/v1/spec_decode/metrics.py.
+EXSPEC_METRIC_NAMES: tuple[str, ...] = tuple(m.exported()[0] for m in METRICS if m.exspec is not None)
+VLLM_METRIC_NAMES: tuple[str, ...] = tuple(m.exported()[-1] for m in METRICS if m.vllm is not None)
+METRIC_NAMES: tuple[str, ...] = EXSPEC_METRIC_NAMES + VLLM_METRIC_NAMES
+
+
 class _Twin:
     """One quantity exported as an exspec_* series and its vllm:* namesake: every update goes to both."""
 
     def __init__(self, *series) -> None:
-        self._series = series  # [2]: the exspec_* series, the vllm:* series (model_name and engine bound)
+        self._series = series  # the exspec_* series, the vllm:* series (model_name and engine bound)
 
     def inc(self, amount: float = 1.0) -> None:
         for series in self._series:
@@ -122,10 +171,11 @@ class _LabelledTwin:
     """A `_Twin` with labels of its own (finished_reason, position): `.labels(...)` gives the twin series."""
 
     def __init__(self, own, vllm, base: dict[str, str]) -> None:
-        self._own, self._vllm, self._base = own, vllm, base
+        self._own, self._vllm, self._base = own, vllm, base  # own: None for a vllm:* series alone
 
     def labels(self, **labels: str) -> _Twin:
-        return _Twin(self._own.labels(**labels), self._vllm.labels(**self._base, **labels))
+        own = () if self._own is None else (self._own.labels(**labels),)
+        return _Twin(*own, self._vllm.labels(**self._base, **labels))
 
 
 class ServerMetrics:
@@ -135,113 +185,28 @@ class ServerMetrics:
     """
 
     def __init__(self, model_name: str) -> None:
-        r = self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()
         base = {"model_name": model_name, "engine": "0"}
-
-        def twin(kind, name: str, vllm_name: str, doc: str, vllm_doc: str, labelnames=(), own_buckets=None,
-                 vllm_buckets=None):
-            extra = {} if kind is not Histogram else {"buckets": own_buckets}
-            own = kind(name, doc, labelnames, registry=r, **extra)
-            extra = {} if kind is not Histogram else {"buckets": vllm_buckets}
-            vllm = kind(vllm_name, vllm_doc, VLLM_LABELS + tuple(labelnames), registry=r, **extra)
-            return _LabelledTwin(own, vllm, base) if labelnames else _Twin(own, vllm.labels(**base))
-
-        def vllm_only(kind, name: str, doc: str, buckets):
-            return kind(name, doc, VLLM_LABELS, buckets=buckets, registry=r).labels(**base)
-
-        # --- shared by both families (scheduler state, token counts, speculation, request latencies)
-        self.num_running = twin(Gauge, "exspec_num_requests_running", "vllm:num_requests_running",
-                                "Requests in the running pool", "Requests in the running pool (vLLM's name)")
-        self.num_waiting = twin(Gauge, "exspec_num_requests_waiting", "vllm:num_requests_waiting",
-                                "Requests queued before admission", "Requests queued before admission (vLLM's name)")
-        self.kv_usage = twin(Gauge, "exspec_kv_cache_usage_perc", "vllm:kv_cache_usage_perc",
-                             "Fraction of KV cache blocks in use (0..1)",
-                             "Fraction of KV cache blocks in use, 0..1 (vLLM's name)")
-        self.preemptions = twin(Counter, "exspec_num_preemptions", "vllm:num_preemptions",
-                                "Running sequences preempted (KV blocks freed, recomputed later)",
-                                "Cumulative number of preemptions (vLLM's name)")
-        self.prompt_tokens = twin(Counter, "exspec_prompt_tokens", "vllm:prompt_tokens", "Prompt tokens prefilled",
-                                  "Prompt tokens prefilled (vLLM's name)")
-        self.generation_tokens = twin(Counter, "exspec_generation_tokens", "vllm:generation_tokens",
-                                      "Tokens generated", "Tokens generated (vLLM's name)")
-        self.request_success = twin(Counter, "exspec_request_success", "vllm:request_success",
-                                    "Finished requests, by finish reason",
-                                    "Finished requests by finish reason (vLLM's name)",
-                                    ("finished_reason",))
+        for m in METRICS:
+            setattr(self, m.attr, self._declare(m, base))
         for reason in FINISH_REASONS:
             self.request_success.labels(finished_reason=reason)
-        self.drafts = twin(Counter, "exspec_spec_decode_num_drafts", "vllm:spec_decode_num_drafts",
-                           "Drafts verified: one per sequence per speculative step that proposed draft tokens",
-                           "Sequences verified with draft tokens, per step (vLLM's name)")
-        self.draft_tokens = twin(Counter, "exspec_spec_decode_num_draft_tokens", "vllm:spec_decode_num_draft_tokens",
-                                 "Draft tokens proposed (rows that opted out of speculation propose none)",
-                                 "Draft tokens proposed (vLLM's name)")
-        self.accepted_tokens = twin(Counter, "exspec_spec_decode_num_accepted_tokens",
-                                    "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted by the target",
-                                    "Draft tokens accepted (vLLM's name)")
-        self.accepted_per_pos = twin(Counter, "exspec_spec_decode_num_accepted_tokens_per_pos",
-                                     "vllm:spec_decode_num_accepted_tokens_per_pos",
-                                     "Accepted draft tokens, by draft position (0-based)",
-                                     "Accepted draft tokens by 0-based position (vLLM's name)", ("position",))
-        self.ttft = twin(Histogram, "exspec_time_to_first_token_seconds", "vllm:time_to_first_token_seconds",
-                         "Arrival to first token", "Arrival to first token, seconds (vLLM's name)",
-                         own_buckets=_LATENCY_BUCKETS, vllm_buckets=_VLLM_TTFT_BUCKETS)
-        self.e2e = twin(Histogram, "exspec_e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds",
-                        "Arrival to last token", "Arrival to last token, seconds (vLLM's name)",
-                        own_buckets=_LATENCY_BUCKETS, vllm_buckets=_VLLM_REQUEST_BUCKETS)
-        self.queue_time = twin(Histogram, "exspec_request_queue_time_seconds", "vllm:request_queue_time_seconds",
-                               "Submit to first scheduled", "Submit to first scheduled, seconds (vLLM's name)",
-                               own_buckets=_LATENCY_BUCKETS, vllm_buckets=_VLLM_REQUEST_BUCKETS)
 
-        # --- exspec only
-        self.kv_slots = Gauge("exspec_kv_slots_used_ratio", "Fraction of sequence slots in use (0..1)", registry=r)
-        self.itl = Histogram(
-            "exspec_inter_token_latency_seconds",
-            "Time per output token after the first (a delta of n tokens counts n times its gap / n)",
-            buckets=_ITL_BUCKETS,
-            registry=r,
-        )
-        self.steps = Counter("exspec_scheduler_steps", "Scheduler steps, by kind", ["kind"], registry=r)
-        self.step_duration = Histogram(
-            "exspec_step_duration_seconds", "Seconds per step phase", ["phase"], buckets=_STEP_BUCKETS, registry=r
-        )
-        self.batch_size = Histogram(
-            "exspec_batch_size", "Sequences per decode step", buckets=_BATCH_BUCKETS, registry=r
-        )
-        self.acceptance_length = Histogram(
-            "exspec_acceptance_length",
-            "Per speculative step: mean tokens emitted per sequence (1 + accepted drafts)",
-            buckets=_ACCEPT_BUCKETS,
-            registry=r,
-        )
-
-        # --- vLLM only: vLLM's own definitions, derived from the same events
-        self.vllm_itl = vllm_only(Histogram, "vllm:inter_token_latency_seconds",
-                                  "Seconds between two steps that brought a request tokens (vLLM's name)",
-                                  _VLLM_ITL_BUCKETS)
-        self.vllm_tpot = vllm_only(Histogram, "vllm:time_per_output_token_seconds",
-                                   "Same as vllm:inter_token_latency_seconds (vLLM's older, deprecated name)",
-                                   _VLLM_ITL_BUCKETS)
-        self.vllm_request_tpot = vllm_only(Histogram, "vllm:request_time_per_output_token_seconds",
-                                           "Per request: decode seconds / (generated tokens - 1) (vLLM's name)",
-                                           _VLLM_ITL_BUCKETS)
-        self.vllm_iteration_tokens = vllm_only(Histogram, "vllm:iteration_tokens_total",
-                                               "Prompt and generated tokens per scheduler step (vLLM's name)",
-                                               _VLLM_ITERATION_BUCKETS)
-        self.vllm_prompt_len = vllm_only(Histogram, "vllm:request_prompt_tokens",
-                                         "Prompt tokens per finished request (vLLM's name)", _VLLM_TOKEN_COUNT_BUCKETS)
-        self.vllm_generation_len = vllm_only(Histogram, "vllm:request_generation_tokens",
-                                             "Generated tokens per finished request (vLLM's name)",
-                                             _VLLM_TOKEN_COUNT_BUCKETS)
-        self.vllm_inference_time = vllm_only(Histogram, "vllm:request_inference_time_seconds",
-                                             "First scheduled to last token, seconds (vLLM's name)",
-                                             _VLLM_REQUEST_BUCKETS)
-        self.vllm_prefill_time = vllm_only(Histogram, "vllm:request_prefill_time_seconds",
-                                           "First scheduled to first token, seconds (vLLM's name)",
-                                           _VLLM_REQUEST_BUCKETS)
-        self.vllm_decode_time = vllm_only(Histogram, "vllm:request_decode_time_seconds",
-                                          "First to last token, seconds (vLLM's name)",
-                                          _VLLM_REQUEST_BUCKETS)
+    def _declare(self, m: Metric, base: dict[str, str]):
+        """The row's series: a `_Twin` (or `_LabelledTwin`) when it is in both families, else its one family's
+        series (a vllm:* one with model_name and engine bound)."""
+        own = vllm = None
+        if m.exspec is not None:
+            extra = {"buckets": m.buckets} if m.kind is Histogram else {}
+            own = m.kind(m.exspec, m.doc, m.labels, registry=self.registry, **extra)
+        if m.vllm is not None:
+            extra = {"buckets": m.vllm_buckets} if m.kind is Histogram else {}
+            vllm = m.kind(m.vllm, m.vllm_doc, VLLM_LABELS + m.labels, registry=self.registry, **extra)
+        if vllm is None:
+            return own
+        if m.labels:
+            return _LabelledTwin(own, vllm, base)
+        return vllm.labels(**base) if own is None else _Twin(own, vllm.labels(**base))
 
     def bind_scheduler(self, scheduler) -> None:
         """Gauges read the scheduler at scrape time; step metrics come from its step listener."""

@@ -5,8 +5,10 @@ once per forward (slot mapping, block tables, seq_lens, the mask when the backen
 turns it into its `plan` once per forward, and every layer then calls `forward` with its own pools. The
 K/V of the forward are already written into the pools when `forward` runs.
 
-To add a backend: a file here with a class decorated `@register("name")`, imported at the bottom of this
-file. `--attention-backend` lists `names()`; "auto" resolves with `default_backend(device)`.
+To add a backend: a file here named as the backend, with a class decorated `@register("name")`, imported at
+the bottom of this file (docs/ARCHITECTURE.md has a worked example). `--attention-backend` lists `names()`
+(`exspec.registry.listed` reads them from the file names, torch-free); "auto" resolves with
+`default_backend(device)`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from exspec.config import ATTENTION_DEFAULT
 from exspec.engine.kv_cache import ForwardMeta
+from exspec.registry import Registry
 
 AUTO = "auto"
 
@@ -46,43 +49,33 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-_REGISTRY: dict[str, type[AttentionBackend]] = {}
-
-
-def register(name: str):
-    def wrap(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-        if cls.__module__.rsplit(".", 1)[-1] != name:  # exspec.config.attention_backends() lists the files
-            raise TypeError(f"backend {name!r} must live in engine/backends/{name}.py, not {cls.__module__}")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return wrap
+BACKENDS: Registry[type[AttentionBackend]] = Registry("attention backend", __name__)
+register = BACKENDS.register
 
 
 def names() -> tuple[str, ...]:
     """Every registered backend, in registration order."""
-    return tuple(_REGISTRY)
+    return BACKENDS.names()
 
 
 def available_names(device: torch.device) -> tuple[str, ...]:
-    return tuple(n for n, cls in _REGISTRY.items() if cls.available(device))
+    return tuple(n for n, cls in BACKENDS.items() if cls.available(device))
 
 
 def default_backend(device: torch.device) -> str:
     """exspec.config.ATTENTION_DEFAULT for the device type (`triton` on CUDA, `sdpa` on the CPU: measured
     fastest there, docs/BENCHMARKS.md), `reference` where that one cannot run."""
     preferred = ATTENTION_DEFAULT.get(device.type, "reference")
-    return preferred if _REGISTRY[preferred].available(device) else "reference"
+    return preferred if BACKENDS.get(preferred).available(device) else "reference"
 
 
 def create(name: str, device: torch.device) -> AttentionBackend:
     """The backend `name` ("auto": the device's default). Raises ValueError naming the choices."""
     if name == AUTO:
         name = default_backend(device)
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        raise ValueError(f"attention backend must be {AUTO} or one of {list(_REGISTRY)}, got {name!r}")
+    if name not in BACKENDS.names():
+        raise ValueError(f"attention backend must be {AUTO} or one of {list(BACKENDS.names())}, got {name!r}")
+    cls = BACKENDS.get(name)
     if not cls.available(device):
         raise ValueError(f"attention backend {name!r} cannot run on {device.type} here ({cls.__doc__.splitlines()[0]})")
     return cls()

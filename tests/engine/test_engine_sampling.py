@@ -31,20 +31,12 @@ ALPHA = 1e-3
 
 
 def _small_lm(seed: int, layers: int, sharpen: float) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from exspec.engine.random_model import causal_lm_config, random_causal_lm
 
-    cfg = LlamaConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
+    cfg = causal_lm_config("llama", V, layers=layers, hidden=32, intermediate=64, heads=2, kv_heads=1, positions=64,
+                           tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    model = random_causal_lm(cfg, attn_implementation="sdpa").eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(sharpen)  # random init is near-uniform: make the distributions uneven
     return model

@@ -257,11 +257,11 @@ def test_prompts_skip_the_draft_only_when_the_policy_expects_no_drafts(k):
 
 
 def test_the_policy_observes_acceptance_per_position_and_the_rows_that_drafted():
-    from exspec.scheduler.policy import SpeculationPolicy
+    from exspec.scheduler.policies.fixed import FixedPolicy
 
-    class Recording(SpeculationPolicy):
+    class Recording(FixedPolicy):
         def __init__(self):
-            super().__init__("fixed", 3)
+            super().__init__(3)
             self.seen = []
 
         def observe(self, batch_size, k, num_tokens, seconds, catchup_s=0.0, accepted=(), drafting_rows=None):

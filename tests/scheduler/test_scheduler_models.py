@@ -9,7 +9,8 @@ import pytest
 
 from tests.support.models import random_prompts
 from exspec.engine.params import SamplingParams
-from exspec.scheduler import AsyncScheduler, SchedulerConfig, SpeculationPolicy, generate_offline
+from exspec.scheduler import AsyncScheduler, SchedulerConfig, generate_offline
+from exspec.scheduler.policies.fixed import FixedPolicy
 from exspec.cli.main import main as cli_main
 
 
@@ -76,12 +77,12 @@ def test_offline_grouped_and_mixed_are_identical(models, force_mixed):
     assert summary.mean_acceptance_length > 1.0
 
 
-class _FlippingPolicy(SpeculationPolicy):
+class _FlippingPolicy(FixedPolicy):
     """A policy whose answers flip on a fixed schedule: prompts prefilled with and without the draft, steps
     with k = 0 and k > 0 in between, so every catch-up path of the engine runs under the scheduler."""
 
     def __init__(self) -> None:
-        super().__init__("fixed", 4)
+        super().__init__(4)
         self.calls = 0
 
     def drafting(self) -> bool:

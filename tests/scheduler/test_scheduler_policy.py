@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from exspec.scheduler.policy import Candidate, SpeculationPolicy, age_threshold_for, choose_batch
+from exspec.scheduler.policies import bucket, create
+from exspec.scheduler.policy import Candidate, age_threshold_for, choose_batch
 
 
 def cands(*specs):
@@ -82,7 +83,7 @@ def test_aging_bound_holds_under_adversarial_lengths(pool, batch, max_wait):
 
 
 def test_fixed_speculation_policy():
-    p = SpeculationPolicy("fixed", 5)
+    p = create("fixed", 5)
     assert {p.choose(b) for b in (1, 8, 32)} == {5}
 
 
@@ -101,7 +102,7 @@ def test_adaptive_turns_speculation_off_when_it_loses():
     def rate(batch, k):
         return batch * (1 + 0.3 * k), 0.01 * (1 + 0.5 * k)
 
-    chosen = _drive(SpeculationPolicy("adaptive", 4), rate, batch=32)
+    chosen = _drive(create("adaptive", 4), rate, batch=32)
     tail = chosen[-100:]
     assert tail.count(0) >= 90
 
@@ -110,7 +111,7 @@ def test_adaptive_speculates_when_it_wins():
     def rate(batch, k):
         return batch * (1 + 0.8 * k), 0.01 * (1 + 0.1 * k)
 
-    chosen = _drive(SpeculationPolicy("adaptive", 4), rate, batch=2)
+    chosen = _drive(create("adaptive", 4), rate, batch=2)
     assert chosen[-100:].count(4) >= 90
 
 
@@ -119,7 +120,7 @@ def test_adaptive_keeps_separate_estimates_per_batch_size():
         gain = 0.8 if batch <= 2 else 0.05
         return batch * (1 + gain * k), 0.01 * (1 + 0.3 * k)
 
-    p = SpeculationPolicy("adaptive", 4)
+    p = create("adaptive", 4)
     small = _drive(p, rate, batch=2)
     large = _drive(p, rate, batch=32)
     assert small[-50:].count(4) >= 45 and large[-50:].count(0) >= 45
@@ -202,17 +203,17 @@ def _expected_goodput(world, batch, ks):
 def test_auto_converges_to_the_best_k(name):
     acc, jump, slope, batch, want = REGIMES[name]
     k_max = 8
-    candidates = SpeculationPolicy("auto", k_max)._auto.candidates
+    candidates = create("auto", k_max).candidates
     world = _World(acc, jump, slope)
     assert world.best(batch, candidates) == want  # the premise
     best = world.goodput(batch, want)
     for seed in range(4):
-        policy = SpeculationPolicy("auto", k_max)
+        policy = create("auto", k_max)
         chosen, _ = _run_auto(policy, _World(acc, jump, slope, seed=seed), batch, 500)
         tail = chosen[60:]
         assert _expected_goodput(world, batch, tail) >= 0.97 * best, f"seed {seed}: not converged within 60 steps"
         assert _expected_goodput(world, batch, chosen) >= 0.93 * best, f"seed {seed}: warm-up cost above 7%"
-        assert world.goodput(batch, policy._auto.plan(batch)[0]) >= 0.95 * best  # where it settled
+        assert world.goodput(batch, policy.plan(batch)[0]) >= 0.95 * best  # where it settled
         if want == 0:
             assert tail.count(0) >= 0.95 * len(tail) and not policy.drafting()  # drafting stops entirely
         else:
@@ -221,20 +222,20 @@ def test_auto_converges_to_the_best_k(name):
 
 def test_auto_exploration_is_bounded_and_rare_once_converged():
     for name, (acc, jump, slope, batch, want) in REGIMES.items():
-        policy = SpeculationPolicy("auto", 8)
+        policy = create("auto", 8)
         world = _World(acc, jump, slope, seed=7)
         chosen, _ = _run_auto(policy, world, batch, 2000)
-        s = policy.summary()[SpeculationPolicy.bucket(batch)]
+        s = policy.summary()[bucket(batch)]
         assert s["explore_fraction"] <= 0.03 + 12 / 2000 * 1.5, name  # the 3% budget + 12 free steps
         late = s["explore_steps"]
         _run_auto(policy, world, batch, 2000)
-        assert policy.summary()[SpeculationPolicy.bucket(batch)]["explore_steps"] - late <= 0.04 * 2000, name
+        assert policy.summary()[bucket(batch)]["explore_steps"] - late <= 0.04 * 2000, name
         assert _expected_goodput(world, batch, chosen[1000:]) >= 0.97 * world.goodput(batch, want), name
 
 
 def test_auto_is_deterministic_given_the_same_observations():
     acc, jump, slope, batch, _ = REGIMES["pays-k4"]
-    runs = [_run_auto(SpeculationPolicy("auto", 8), _World(acc, jump, slope, seed=3), batch, 300)[0]
+    runs = [_run_auto(create("auto", 8), _World(acc, jump, slope, seed=3), batch, 300)[0]
             for _ in range(2)]
     assert runs[0] == runs[1]
 
@@ -246,9 +247,9 @@ def test_auto_gives_the_same_result_run_after_run():
         world = _World(acc, jump, slope)
         finals, goodputs = set(), []
         for seed in range(6):
-            policy = SpeculationPolicy("auto", 8)
+            policy = create("auto", 8)
             chosen, _ = _run_auto(policy, _World(acc, jump, slope, noise=0.1, seed=seed), batch, 300)
-            finals.add(policy._auto.plan(batch)[0])
+            finals.add(policy.plan(batch)[0])
             goodputs.append(_expected_goodput(world, batch, chosen))
         assert all(world.goodput(batch, k) >= 0.95 * world.goodput(batch, want) for k in finals), (name, finals)
         assert max(goodputs) <= 1.05 * min(goodputs), name
@@ -259,7 +260,7 @@ def test_auto_follows_a_change_of_load():
     at 1 the earlier estimate still holds (costs are per batch-size bucket)."""
     world = _World(STRONG, 0.05, lambda b: 0.08 if b <= 2 else 1.2)
     assert world.best(1, range(9)) == 4 and world.best(16, range(9)) == 0
-    policy = SpeculationPolicy("auto", 8)
+    policy = create("auto", 8)
     small, _ = _run_auto(policy, world, 1, 300)
     large, _ = _run_auto(policy, world, 16, 300)
     small2, _ = _run_auto(policy, world, 1, 100)
@@ -268,7 +269,7 @@ def test_auto_follows_a_change_of_load():
 
 
 def test_auto_follows_a_change_of_acceptance_both_ways():
-    policy = SpeculationPolicy("auto", 8)
+    policy = create("auto", 8)
     good = _World(STRONG, 0.6, 0.15, seed=1)
     weak = _World(DEMO, 0.6, 0.15, seed=2)
     assert good.best(1, range(9)) == 4 and weak.best(1, range(9)) == 0
@@ -284,13 +285,13 @@ def test_auto_follows_a_change_of_acceptance_both_ways():
 def test_auto_keeps_separate_costs_per_batch_size_and_respects_k_max():
     pays = _World(STRONG, 0.05, 0.08)
     loses = _World(STRONG, 0.3, 0.8)
-    policy = SpeculationPolicy("auto", 2)
+    policy = create("auto", 2)
     small, _ = _run_auto(policy, pays, 1, 150)
     large, _ = _run_auto(policy, loses, 16, 150)
     small2, _ = _run_auto(policy, pays, 1, 50)
     assert max(small + large) <= 2
     assert small2.count(2) >= 45 and large[-100:].count(0) >= 95
-    assert SpeculationPolicy("auto", 0).choose(8) == 0
+    assert create("auto", 0).choose(8) == 0
 
 
 def test_auto_is_the_default_speculation_mode():
@@ -303,11 +304,11 @@ def test_auto_counts_acceptance_per_position():
     """A draft whose first token is accepted 90% of the time and the second 10% of the time (given the first):
     the model learns both rates, not one geometric rate, and predicts k = 1 where k = 2 would not pay."""
     world = _World([0.9, 0.1, 0.1, 0.1], 0.05, 0.3)
-    policy = SpeculationPolicy("auto", 4)
+    policy = create("auto", 4)
     _run_auto(policy, world, 4, 400)
-    a = policy._auto.acceptance()
+    a = policy.acceptance()
     assert abs(a[0] - 0.9) < 0.05 and a[1] < 0.6  # a single geometric rate would be about 0.85
-    assert world.best(4, range(5)) == 1 and policy._auto.plan(4)[0] == 1
+    assert world.best(4, range(5)) == 1 and policy.plan(4)[0] == 1
 
 
 def test_plan_prefill_bounds_padding_and_cuts_prompts_only_where_it_pays():
@@ -332,11 +333,11 @@ def test_plan_prefill_bounds_padding_and_cuts_prompts_only_where_it_pays():
 
 
 def test_drafting_says_whether_prompts_need_the_draft():
-    assert SpeculationPolicy("fixed", 4).drafting() and not SpeculationPolicy("fixed", 0).drafting()
-    assert SpeculationPolicy("adaptive", 4).drafting()
+    assert create("fixed", 4).drafting() and not create("fixed", 0).drafting()
+    assert create("adaptive", 4).drafting()
     loses_world = _World(*REGIMES["loses-at-large-batch"][:3])
     pays_world = _World(*REGIMES["pays-k4"][:3])
-    loses = SpeculationPolicy("auto", 4)
+    loses = create("auto", 4)
     assert loses.drafting()  # nothing measured yet: prefill the draft
     _run_auto(loses, loses_world, 8, 300)
     assert not loses.drafting()  # k = 0 measured best: prompts may skip the draft
@@ -344,7 +345,7 @@ def test_drafting_says_whether_prompts_need_the_draft():
     assert loses.drafting()  # a batch size that drafts runs a large share of the recent steps
     _run_auto(loses, loses_world, 8, 2000)
     assert not loses.drafting()  # and no longer does
-    pays = SpeculationPolicy("auto", 4)
+    pays = create("auto", 4)
     _run_auto(pays, pays_world, 8, 300)
     assert pays.drafting()
 
@@ -353,10 +354,10 @@ def test_auto_weighs_k_without_the_one_off_catch_up():
     """A step that catches the draft up reports that time apart; k's cost leaves it out (it is paid once
     per token whatever k follows), so a large catch-up does not make a paying k look like a loss."""
     world = _World(STRONG, 0.05, 0.08)
-    policy = SpeculationPolicy("auto", 4)
+    policy = create("auto", 4)
     for step in range(200):
         k = policy.choose(1)
         n, s, accepted = world.step(1, k)
         catchup = 20 * s if k > 0 and step % 5 == 0 else 0.0  # a big one-off catch-up every fifth step
         policy.observe(1, k, n, s + catchup, catchup, accepted, 1)
-    assert policy._auto.plan(1)[0] == world.best(1, range(5)) == 4
+    assert policy.plan(1)[0] == world.best(1, range(5)) == 4

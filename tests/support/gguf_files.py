@@ -16,8 +16,9 @@ VOCAB = 320  # the tiny tokenizer's size: the model's rows, one per token
 def build_tiny_llama(root: Path) -> Path:
     """root/hf: a tiny random Llama (tests/support/tiny_models.py's tokenizer and shape) whose config values all
     survive GGUF's float32 metadata (rms_norm_eps = 2**-20), so its GGUF converts back to the same model."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from exspec.engine.random_model import random_causal_lm
     from tests.support import tiny_models
 
     tok_dir = root / "tok"
@@ -25,7 +26,7 @@ def build_tiny_llama(root: Path) -> Path:
     cfg = tiny_models.make_config("llama", VOCAB, layers=2)
     cfg.rms_norm_eps = 2.0**-20
     torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(cfg)
+    model = random_causal_lm(cfg)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)  # decisive greedy outputs, as tiny_models does
     out = root / "hf"

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from exspec.demo.tokenizer import train_bpe
+from exspec.engine.random_model import causal_lm_config, random_causal_lm
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -32,36 +33,21 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 320):
 def make_config(
     arch: str, vocab_size: int, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, positions: int = 1024
 ):
-    from transformers import AutoConfig
-
-    common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    common = dict(bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
     if arch == "gpt2":
         # Untied: a tied head scaled below would make the model repeat its last input token.
-        return AutoConfig.for_model(
-            "gpt2", n_layer=layers, n_embd=hidden, n_head=heads, n_positions=positions, tie_word_embeddings=False, **common
-        )
-    extra = dict(
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=positions,
-        tie_word_embeddings=False,
-    )
-    if arch == "mistral":
-        extra["sliding_window"] = None
-    if arch == "qwen3":
-        extra["head_dim"] = hidden // heads
-    return AutoConfig.for_model(arch, **extra, **common)
+        return causal_lm_config("gpt2", vocab_size, layers=layers, hidden=hidden, heads=heads, positions=positions,
+                                **common)
+    extra = {"sliding_window": None} if arch == "mistral" else {"head_dim": hidden // heads} if arch == "qwen3" else {}
+    return causal_lm_config(arch, vocab_size, layers=layers, hidden=hidden, intermediate=hidden * 2, heads=heads,
+                            kv_heads=kv_heads, positions=positions, **common, **extra)
 
 
 def build_model(arch: str, out_dir: Path, tokenizer_dir: Path, seed: int, vocab_size: int, **kw) -> Path:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     torch.manual_seed(seed)
-    cfg = make_config(arch, vocab_size, **kw)
-    model = AutoModelForCausalLM.from_config(cfg)
+    model = random_causal_lm(make_config(arch, vocab_size, **kw))
     # Random init is near-uniform: sharpen the head so greedy outputs are decisive and EOS appears.
     with torch.no_grad():
         head = model.get_output_embeddings().weight

@@ -1,8 +1,8 @@
-"""The default speculation policy (`auto`): k from a model of what it measures, not from racing every k.
+"""`auto`, the default speculation policy: k from a model of what it measures, not from racing every k.
 
 Two models, fitted from what each decode step reports, give the expected goodput of every k; the step runs
 the argmax. Nothing here reads a clock or draws a random number: the same observations give the same
-choices (the timing that feeds it still differs between runs; see `ModelPolicy`).
+choices (the timing that feeds it still differs between runs; see `AutoPolicy`).
 
 Acceptance (shared by every batch size: it is a property of the pair and the prompts, not of the load).
 For draft position i = 1..k_max, the decayed counts of rows that reached position i (their i - 1 first
@@ -44,10 +44,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-
-def bucket(batch_size: int) -> int:
-    """The batch-size bucket: the next power of two (1, 2, 4, 8, ...)."""
-    return 1 << max(0, (batch_size - 1).bit_length())
+from exspec.scheduler.policies import SpeculationPolicy, bucket, register
 
 
 def candidates_for(k_max: int) -> list[int]:
@@ -72,10 +69,11 @@ class _Bucket:
     by_k: dict[int, int] = field(default_factory=dict)  # k -> steps observed
 
 
-class ModelPolicy:
-    """See the module docstring. k follows measured time, so it may differ between runs: greedy outputs do not
-    depend on k (token-identical to the target), but a seeded sampled output reproduces exactly only under
-    the same k schedule, so the scheduler decodes seeded sampled requests without drafts under this policy."""
+@register("auto")
+class AutoPolicy(SpeculationPolicy):
+    """See the module docstring. k follows measured time, so it may differ between runs (`k_varies`): greedy
+    outputs do not depend on k (token-identical to the target), but a seeded sampled output reproduces exactly
+    only under the same k schedule, so the scheduler decodes seeded sampled requests without drafts."""
 
     def __init__(
         self,
@@ -97,7 +95,7 @@ class ModelPolicy:
         replan_every: int = 8,
         draft_share: float = 0.1,
     ) -> None:
-        self.k_max = k_max
+        super().__init__(k_max)
         self.candidates = candidates_for(k_max)
         self.window, self.min_samples = window, min_samples
         self.accept_decay, self.idle_decay, self.prior_strength = accept_decay, idle_decay, prior_strength
@@ -317,6 +315,10 @@ class ModelPolicy:
         self._accepted = [x * keep for x in self._accepted]
         self._rows *= keep
         self._drafting_rows *= keep
+
+    def rates(self) -> dict[tuple[int, int], float]:
+        """(bucket, k) -> modelled tokens per row-second"""
+        return {(b, k): g for b in self.summary() for k, g in self.plan(b)[2].items()}
 
     def summary(self) -> dict:
         """Per bucket: steps per k, the share of decode seconds spent exploring, and k* now."""
