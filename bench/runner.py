@@ -73,23 +73,44 @@ TIMING = (
 
 @dataclass(frozen=True)
 class BenchConfig:
-    model: Path  # target model directory
-    draft_model: Path | None  # draft directory; needed by DRAFT_METHODS
-    device: str = "cpu"  # resolved: "cpu", "cuda" or "cuda:N" (exspec.config.resolve_device turns "auto" into one)
-    dtype: str = "float32"  # resolved: a key of NEAR_TIE_EPS
+    # The pair, device, dtype, attention backend, GEMM mode, compile, KV memory, the cap on prompt + max_tokens
+    # (max_model_len) and k (max_num_speculative_tokens): resolved once, as for serve and generate, by the command
+    # line's settings (flags and EXSPEC_* variables). Each engine method runs a copy sized for its point.
+    engine: EngineConfig
     methods: tuple[str, ...] = METHODS
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     num_prompts: int = 32  # SpecBench questions, evenly spaced over those that fit max_prompt_len
     max_prompt_len: int | None = None  # questions longer than this many tokens are left out; None: no limit
     max_tokens: int = 128  # new tokens per prompt (fewer when EOS comes first)
-    num_speculative_tokens: int = 4  # k of DRAFT_METHODS (the largest k for `exspec`), as serve/generate
     pool_factor: int = 4  # exspec's pool W = pool_factor * B (capped at max(B, num_prompts))
     repeats: int = 3  # timed runs per (method, B); the median is reported
     chat_template: bool = False  # prompts through the tokenizer's chat template
-    max_model_len: int = 2048  # cap on prompt + max_tokens
     warmup: bool = True  # one untimed short run per (method, B) before the timed ones
-    attention: str = "auto"  # the engine's attention backend (engine/backends/)
     fixed_ks: tuple[int, ...] = ()  # exspec-fixed at each of these k (rows exspec-fixed-kK); (): at k only
+
+    @property
+    def model(self) -> Path:
+        return self.engine.model
+
+    @property
+    def draft_model(self) -> Path | None:  # needed by DRAFT_METHODS
+        return self.engine.draft_model
+
+    @property
+    def device(self) -> str:  # resolved: "cpu", "cuda" or "cuda:N"
+        return self.engine.device
+
+    @property
+    def dtype(self) -> str:  # resolved: a key of NEAR_TIE_EPS
+        return self.engine.dtype
+
+    @property
+    def num_speculative_tokens(self) -> int:  # k of DRAFT_METHODS (the largest k for `exspec`)
+        return self.engine.max_num_speculative_tokens
+
+    @property
+    def max_model_len(self) -> int:  # cap on prompt + max_tokens
+        return self.engine.max_model_len
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str, value: object) -> None:
@@ -106,8 +127,6 @@ class BenchConfig:
             bad("--max-prompt-len", ">= 1", self.max_prompt_len)
         if self.max_tokens < 1:
             bad("--max-tokens", ">= 1", self.max_tokens)
-        if not 1 <= self.num_speculative_tokens <= 32:
-            bad("--num-speculative-tokens", "in [1, 32]", self.num_speculative_tokens)
         if self.pool_factor < 1:
             bad("--pool-factor", ">= 1", self.pool_factor)
         if self.repeats < 1:
@@ -117,6 +136,8 @@ class BenchConfig:
         if any(not 0 <= k <= 32 for k in self.fixed_ks):
             bad("--fixed-ks", "comma-separated integers in [0, 32]", self.fixed_ks)
         needs_draft = [m for m in self.methods if m in DRAFT_METHODS]
+        if needs_draft and self.num_speculative_tokens == 0:  # its upper bound: EngineConfig's
+            bad("--num-speculative-tokens", f">= 1 for methods {', '.join(needs_draft)}", self.num_speculative_tokens)
         if needs_draft and self.draft_model is None:
             raise BenchError(f"methods {', '.join(needs_draft)} need a draft model: pass --draft-model")
 
@@ -194,13 +215,7 @@ class Bench:
     def __init__(self, config: BenchConfig, progress: bool = True) -> None:
         self.config = config
         self.progress = progress
-        engine_cfg = EngineConfig(
-            model=Path(config.model),
-            draft_model=Path(config.draft_model) if config.draft_model is not None else None,
-            device=config.device,
-            dtype=config.dtype,
-        )
-        self.pair: ModelPair = load_model_pair(engine_cfg)
+        self.pair: ModelPair = load_model_pair(config.engine)
         self.device = torch.device(config.device)
         tok = self.pair.tokenizer
         self.prompts = self._select_prompts(tok)
@@ -344,16 +359,13 @@ class Bench:
         pool = self._pool_size(method, b)
         pair = replace(self.pair, draft=None) if k == 0 else self.pair
         engine = SpecEngine(
-            EngineConfig(
-                model=Path(cfg.model),
-                draft_model=None if k == 0 else Path(cfg.draft_model),
-                device=cfg.device,
-                dtype=cfg.dtype,
+            replace(  # the resolved engine (attention, gemm, compile, KV memory ...) sized for this point
+                cfg.engine,
+                draft_model=None if k == 0 else cfg.draft_model,
                 max_num_seqs=pool,
                 max_model_len=self.max_model_len,
                 max_num_speculative_tokens=k,
                 force_mixed=method == "exspec-mixed",
-                attention=cfg.attention,
             ),
             pair=pair,
         )

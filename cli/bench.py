@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from exspec.cli.flags import add_settings_arguments, resolve_models, settings_from_args
+from exspec.cli.flags import ENGINE_FIELDS, add_settings_arguments, resolve_models, settings_from_args
 
-# The shared settings bench takes (the same flags, variables and defaults as serve and generate:
-# exspec.config.Settings; device and dtype default to auto there).
-BENCH_FIELDS = ("model", "draft_model", "device", "dtype", "max_model_len", "attention_backend")
+# The shared settings bench takes: the same flags, EXSPEC_* variables, defaults and checks as serve and generate
+# (exspec.config.Settings, resolved into the EngineConfig by exspec.config.resolve), less the scheduler's batch
+# and pool (the bench sweeps --batch-sizes, with W = --pool-factor x B) and its policy (the `exspec` method runs
+# the scheduler's default, exspec-fixed and exspec-mixed a fixed k).
+BENCH_FIELDS = tuple(f for f in ENGINE_FIELDS if f not in ("max_batch_size", "pool_size", "speculation"))
 
 # == exspec.bench.runner.METHODS (not imported here: that module imports torch)
 METHODS = ("target-ar", "hf-generate", "hf-assisted", "exspec-mixed", "exspec-fixed", "exspec")
@@ -68,7 +70,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=32, help="SpecBench questions, evenly spaced (default: 32)")
     p.add_argument("--max-prompt-len", type=int, default=None, help="leave out questions longer than this many tokens (default: no limit)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default: 128)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="k, as serve and generate (default: 4)")
     p.add_argument("--fixed-ks", type=_k_list, default=(),
                    help="run exspec-fixed once per k in this comma-separated list (rows exspec-fixed-kK), e.g. "
                         "0,1,2,4,6 to find the best fixed k in the same run (default: only at --num-speculative-tokens)")
@@ -85,8 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from exspec.bench.command import run_command
+    from exspec.config import resolve
 
     settings = settings_from_args(args, BENCH_FIELDS)  # flags, then EXSPEC_* variables, then defaults
-    resolved = {f: getattr(settings, f) for f in BENCH_FIELDS}
-    resolved["max_model_len"] = settings.max_model_len or 2048  # bench caps prompt + max_tokens at this
-    return run_command(argparse.Namespace(**{**vars(args), **resolved}), lambda _: resolve_models(settings)[:2])
+    return run_command(args, settings, lambda: resolve_models(settings)[:2],
+                       lambda target, draft: resolve(settings, target, draft).engine)
