@@ -49,6 +49,7 @@ from exspec.data import (
     load_questions,
 )
 from exspec.data.reference import ReferenceRow
+from exspec.engine.config import check_num_speculative_tokens
 from exspec.engine import (
     EngineConfig,
     ModelPair,
@@ -133,8 +134,8 @@ class BenchConfig:
             bad("--repeats", ">= 1", self.repeats)
         if self.dtype not in NEAR_TIE_EPS:
             bad("--dtype", f"one of {sorted(NEAR_TIE_EPS)}", self.dtype)
-        if any(not 0 <= k <= 32 for k in self.fixed_ks):
-            bad("--fixed-ks", "comma-separated integers in [0, 32]", self.fixed_ks)
+        if bad_k := next(filter(None, (check_num_speculative_tokens(k, "--fixed-ks") for k in self.fixed_ks)), None):
+            raise BenchError(bad_k)
         needs_draft = [m for m in self.methods if m in DRAFT_METHODS]
         if needs_draft and self.num_speculative_tokens == 0:  # its upper bound: EngineConfig's
             bad("--num-speculative-tokens", f">= 1 for methods {', '.join(needs_draft)}", self.num_speculative_tokens)

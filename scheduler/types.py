@@ -1,9 +1,12 @@
-"""The scheduler's public contract: its configuration, the deltas a request streams, and step statistics."""
+"""The scheduler's public contract: its configuration, the deltas a request streams, and step statistics.
+
+SchedulerConfig's defaults are the command line's (exspec.cli.settings reads them here); torch-free at import."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from exspec.engine.config import check_num_speculative_tokens
 from exspec.errors import ExspecError, QueueFullError, SchedulerClosedError  # noqa: F401 (re-exported)
 
 
@@ -28,8 +31,8 @@ class SchedulerConfig:
             bad("pool_size", f">= max_batch_size ({self.max_batch_size})", self.pool_size)
         if self.max_waiting < 1:
             bad("max_waiting", ">= 1", self.max_waiting)
-        if not 0 <= self.num_speculative_tokens <= 32:
-            bad("num_speculative_tokens", "in [0, 32]", self.num_speculative_tokens)
+        if bad_k := check_num_speculative_tokens(self.num_speculative_tokens, "num_speculative_tokens"):
+            raise ExspecError(bad_k)
         if self.speculation not in ("auto", "fixed", "adaptive"):
             bad("speculation", "'auto', 'fixed' or 'adaptive'", self.speculation)
         if self.min_group_size < 0:

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from exspec.config import ATTENTION_DEFAULT
+from exspec.engine.config import ATTENTION_DEFAULT
 from exspec.engine.kv_cache import ForwardMeta
 
 AUTO = "auto"
@@ -51,7 +51,7 @@ _REGISTRY: dict[str, type[AttentionBackend]] = {}
 
 def register(name: str):
     def wrap(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-        if cls.__module__.rsplit(".", 1)[-1] != name:  # exspec.config.attention_backends() lists the files
+        if cls.__module__.rsplit(".", 1)[-1] != name:  # exspec.cli.settings.attention_backends() lists the files
             raise TypeError(f"backend {name!r} must live in engine/backends/{name}.py, not {cls.__module__}")
         cls.name = name
         _REGISTRY[name] = cls
@@ -70,7 +70,7 @@ def available_names(device: torch.device) -> tuple[str, ...]:
 
 
 def default_backend(device: torch.device) -> str:
-    """exspec.config.ATTENTION_DEFAULT for the device type (`triton` on CUDA, `sdpa` on the CPU: measured
+    """exspec.engine.config.ATTENTION_DEFAULT for the device type (`triton` on CUDA, `sdpa` on the CPU: measured
     fastest there, docs/BENCHMARKS.md), `reference` where that one cannot run."""
     preferred = ATTENTION_DEFAULT.get(device.type, "reference")
     return preferred if _REGISTRY[preferred].available(device) else "reference"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from exspec.config import Settings, load_settings, position_limit, resolve
+from exspec.cli.settings import Settings, load_settings, position_limit, resolve
 from exspec.errors import ConfigError
 
 

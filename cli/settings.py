@@ -1,8 +1,11 @@
-"""Configuration, resolved once: `Settings` (flags and `EXSPEC_*` variables, pydantic at the edge) and
-`resolve`, which derives the engine's and the scheduler's frozen configs from them and from the models' own
-configs. `exspec serve`, `exspec generate` and `exspec bench` all go through here, so they share every default.
+"""The command line's settings, resolved once: `Settings` (flags and `EXSPEC_*` variables, pydantic at the edge)
+and `resolve`, which derives the engine's and the scheduler's frozen configs from them and from the models' own
+configs. `exspec serve`, `exspec generate`, `exspec bench` and `exspec demo-models` all go through here, so they
+share every flag, variable and check. Defaults and ranges are written once, in the layer that owns them (the
+engine's limits in exspec.engine.config, the scheduler's defaults in SchedulerConfig, the demo pairs in
+exspec.demo.recipe), and read from there.
 
-Kept free of torch at import time, so that `exspec --help` stays fast.
+Kept free of torch at import time (so are the modules it reads them from), so that `exspec --help` stays fast.
 """
 
 from __future__ import annotations
@@ -17,25 +20,20 @@ from typing import TYPE_CHECKING
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from exspec.demo.recipe import DEFAULT_DEMO, DEMO_PAIRS
+from exspec.engine.config import DEFAULT_MAX_MODEL_LEN, GEMM_MODES, MAX_SPECULATIVE_TOKENS, position_limit_of
+from exspec.engine.config import DTYPES as ENGINE_DTYPES
+from exspec.scheduler.types import SchedulerConfig
+
 from exspec.errors import ConfigError
 
 if TYPE_CHECKING:
     from exspec.engine.config import EngineConfig
     from exspec.scheduler.types import SchedulerConfig
 
-DEMO_PAIRS = ("smollm2", "tiny")  # the built-in pairs (exspec.demo.recipe's scales a user may pick)
-DEFAULT_DEMO = "smollm2"  # SmolLM2-135M-Instruct and a draft distilled from it
-DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+DTYPES = ("auto", *ENGINE_DTYPES)
 SPECULATION_MODES = ("auto", "fixed", "adaptive")
-DEFAULT_SPECULATION = "auto"  # the scheduler's own default (SchedulerConfig.speculation): k from modelled goodput
-# The KV pool's default share of the memory free once the weights are loaded (--kv-cache-memory): most of a
-# GPU (vLLM's --gpu-memory-utilization is 0.9 of the whole GPU), a modest part of the RAM a CPU host still has
-# available (its other processes keep the rest; the pool's pages are touched at start-up).
-KV_MEMORY_DEFAULT = {"cuda": 0.9, "cpu": 0.25}
-# The attention backend "auto" picks per device type (falling back to "reference" where it cannot run).
-ATTENTION_DEFAULT = {"cuda": "triton", "cpu": "sdpa"}
-# config.json keys that declare a model's position limit, in the order they are looked for.
-POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+DEFAULT_SPECULATION = SchedulerConfig.speculation  # the scheduler's own default: k from modelled goodput
 
 
 class Settings(BaseSettings):
@@ -52,7 +50,8 @@ class Settings(BaseSettings):
     device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bfloat16 on cuda, float32 on cpu) or one of DTYPES
     max_model_len: int | None = Field(default=None, ge=2)  # default: the smaller position limit of the two models
-    num_speculative_tokens: int = Field(default=4, ge=0, le=32)  # k (the largest k under an adaptive policy)
+    num_speculative_tokens: int = Field(  # k (the largest k under an adaptive policy)
+        default=SchedulerConfig.num_speculative_tokens, ge=0, le=MAX_SPECULATIVE_TOKENS)
     attention_backend: str = "auto"  # auto or one of attention_backends(): how attention reads the KV blocks
     kv_cache_memory: str | None = None  # KV pool: a fraction of the memory free after the weights, or bytes ("4GiB")
     gemm: str = "auto"  # auto | packed | default: oneDNN-prepacked linears for multi-row CPU forwards
@@ -60,9 +59,9 @@ class Settings(BaseSettings):
     compile: bool = False
     # the scheduler
     speculation: str = DEFAULT_SPECULATION
-    max_batch_size: int = Field(default=8, ge=1, le=4096)  # B: sequences per speculative step
+    max_batch_size: int = Field(default=SchedulerConfig.max_batch_size, ge=1, le=4096)  # B: sequences per step
     pool_size: int | None = Field(default=None, ge=1, le=65536)  # W: live sequences (KV slots); default 4 x B
-    max_waiting: int = Field(default=256, ge=1)  # queued requests beyond which the server answers 429
+    max_waiting: int = Field(default=SchedulerConfig.max_waiting, ge=1)  # queued beyond this: the server's 429
     # the server
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
@@ -99,8 +98,8 @@ class Settings(BaseSettings):
         if self.attention_backend != "auto" and self.attention_backend not in attention_backends():
             raise ValueError(f"attention_backend must be auto or one of {', '.join(attention_backends())}, "
                              f"got {self.attention_backend!r}")
-        if self.gemm not in ("auto", "packed", "default"):
-            raise ValueError(f"gemm must be auto, packed or default, got {self.gemm!r}")
+        if self.gemm not in GEMM_MODES:
+            raise ValueError(f"gemm must be one of {', '.join(GEMM_MODES)}, got {self.gemm!r}")
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
         if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
@@ -188,11 +187,7 @@ def position_limit(model_dir: Path | None) -> int | None:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return None  # the loader reports a missing or broken config clearly
-    cfg = cfg.get("text_config", cfg)
-    for key in POSITION_KEYS:
-        if isinstance(cfg.get(key), int) and cfg[key] > 0:
-            return cfg[key]
-    return None
+    return position_limit_of(cfg.get("text_config", cfg))
 
 
 def resolve_device(device: str, dtype: str) -> tuple[str, str]:
@@ -232,7 +227,7 @@ def resolve(
     limit = min(known.values()) if known else None
     max_len = settings.max_model_len
     if max_len is None:
-        max_len = limit if limit is not None else 2048
+        max_len = limit if limit is not None else DEFAULT_MAX_MODEL_LEN
     elif limit is not None and max_len > limit:
         which = ", ".join(f"{role} {n}" for role, n in known.items())
         raise ConfigError(f"max_model_len {max_len} exceeds the models' position limit {limit} ({which}): lower it")
