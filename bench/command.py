@@ -16,10 +16,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from exspec.bench.runner import NEAR_TIE_EPS, TIMING, Bench, BenchConfig, BenchError
-from exspec.engine import EngineConfig
-
-DEFAULT_REPEATS = {"throughput": 3, "forward": 7}
+from exspec.bench.config import DEFAULT_REPEATS, OPTIONS, BenchConfig
+from exspec.bench.runner import NEAR_TIE_EPS, TIMING, Bench, BenchError
+from exspec.engine.config import EngineConfig
 
 
 # (target, draft) -> the pair's EngineConfig, resolved from the command's settings (exspec.cli: flags, EXSPEC_*
@@ -39,10 +38,9 @@ def run_command(args: argparse.Namespace, settings, resolve_models: Callable[[],
     # Every engine setting checked before a pair may be built (minutes): placeholders stand for its paths.
     given = settings.model is not None
     template = resolve_engine(settings.model if given else Path("<target>"), settings.draft_model if given else Path("<draft>"))
-    repeats = args.repeats if args.repeats is not None else DEFAULT_REPEATS[args.mode]
     if args.mode == "forward":
-        return _forward(args, template, repeats, resolve_models, resolve_engine)
-    return _throughput(args, template, repeats, resolve_models, resolve_engine)
+        return _forward(args, template, resolve_models, resolve_engine)
+    return _throughput(args, template, resolve_models, resolve_engine)
 
 
 def _pair(args, device: str, resolve_models) -> tuple[Path, Path | None, dict]:
@@ -96,24 +94,14 @@ def _loadavg() -> str:
         return "?"
 
 
-def _throughput(args, template: EngineConfig, repeats: int, resolve_models, resolve_engine: ResolveEngine) -> int:
+def _throughput(args, template: EngineConfig, resolve_models, resolve_engine: ResolveEngine) -> int:
     from exspec.bench.report import write_results
     from exspec.data.reference import write_reference
 
-    # Validate every option before a pair may be built (minutes): the template holds placeholder paths.
-    config = BenchConfig(
-        engine=template,
-        methods=args.methods,
-        batch_sizes=args.batch_sizes,
-        num_prompts=args.num_prompts,
-        max_prompt_len=args.max_prompt_len,
-        max_tokens=args.max_tokens,
-        pool_factor=args.pool_factor,
-        repeats=repeats,
-        chat_template=args.chat_template,
-        warmup=not args.no_warmup,
-        fixed_ks=args.fixed_ks,
-    )
+    # Validate every option before a pair may be built (minutes): the template holds placeholder paths. The
+    # flags are BenchConfig's fields by name; an absent one (None) leaves BenchConfig's default.
+    options = {name: getattr(args, name) for name in OPTIONS if getattr(args, name, None) is not None}
+    config = BenchConfig(engine=template, **options)
     if args.write_reference is not None and not args.write_reference.resolve().parent.is_dir():
         raise BenchError(f"--write-reference: directory {str(args.write_reference.resolve().parent)!r} does not exist")
     target, draft, extra = _pair(args, template.device, resolve_models)
@@ -148,7 +136,7 @@ def _throughput(args, template: EngineConfig, repeats: int, resolve_models, reso
     return 0
 
 
-def _forward(args, template: EngineConfig, repeats: int, resolve_models, resolve_engine: ResolveEngine) -> int:
+def _forward(args, template: EngineConfig, resolve_models, resolve_engine: ResolveEngine) -> int:
     import json
 
     from exspec.bench.forward import forward_markdown, forward_points, time_forwards
@@ -157,16 +145,19 @@ def _forward(args, template: EngineConfig, repeats: int, resolve_models, resolve
 
     if not args.kv_lens or any(v < 1 for v in args.kv_lens):
         raise BenchError(f"--kv-lens must be a comma-separated list of integers >= 1, got {args.kv_lens!r}")
+    repeats = args.repeats if args.repeats is not None else DEFAULT_REPEATS["forward"]
+    warmup = 0 if args.warmup is False else 1
+    batch_sizes = args.batch_sizes or BenchConfig.batch_sizes
     if repeats < 1:
         raise BenchError(f"--repeats must be >= 1, got {repeats}")
     target, _, extra = _pair(args, template.device, resolve_models)
     engine = resolve_engine(target, None)
     k = engine.max_num_speculative_tokens
     pair = load_model_pair(engine)
-    points = forward_points(tuple(sorted(set(args.batch_sizes))), tuple(args.kv_lens), k)
+    points = forward_points(tuple(sorted(set(batch_sizes))), tuple(args.kv_lens), k)
     meta = _meta(args, "exspec bench --mode forward", engine.device, engine.dtype)  # load average as the forwards start
     attention = engine.attention
-    rows = time_forwards(pair.target, pair.vocab_size, points, repeats=repeats, warmup=0 if args.no_warmup else 1,
+    rows = time_forwards(pair.target, pair.vocab_size, points, repeats=repeats, warmup=warmup,
                          progress=not args.no_progress, attention=attention)
     meta["load average at end"] = _loadavg()
     meta.update({
@@ -175,7 +166,7 @@ def _forward(args, template: EngineConfig, repeats: int, resolve_models, resolve
         "forward": "ModelRunner.extend(tokens [B, q_len], starts=[kv_len] * B, slots) of the target, logits for "
                    "every query; q_len 1 and k + 1; KV blocks consecutive (each row's block ids in a run) or "
                    "scattered (the rows' blocks interleaved); layouts interleaved, median of "
-                   f"{repeats} after {0 if args.no_warmup else 1} warm-up",
+                   f"{repeats} after {warmup} warm-up",
         "attention backend": attention,
         "k": k,
     })
