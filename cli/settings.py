@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from exspec.demo.recipe import DEFAULT_DEMO, DEMO_PAIRS
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from exspec.scheduler.types import SchedulerConfig
 
 DTYPES = ("auto", *ENGINE_DTYPES)
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 SPECULATION_MODES = ("auto", "fixed", "adaptive")
 DEFAULT_SPECULATION = SchedulerConfig.speculation  # the scheduler's own default: k from modelled goodput
 
@@ -86,28 +87,29 @@ class Settings(BaseSettings):
         parse_kv_cache_memory(value)
         return value
 
+    @field_validator("device", "dtype", "attention_backend", "gemm", "speculation", "log_level", "demo")
+    @classmethod
+    def _one_of(cls, value: str, info: ValidationInfo) -> str:
+        """A named choice; the error names the flag and its variable (load_settings), and the choices."""
+        field = info.field_name
+        if field == "device":
+            if not (value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit())):
+                raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {value!r}")
+        elif field == "attention_backend":
+            if value != "auto" and value not in attention_backends():
+                raise ValueError(f"attention_backend must be auto or one of {', '.join(attention_backends())}, "
+                                 f"got {value!r}")
+        else:
+            choices = {"dtype": DTYPES, "gemm": GEMM_MODES, "speculation": SPECULATION_MODES, "demo": DEMO_PAIRS,
+                       "log_level": LOG_LEVELS}[field]
+            if (value.lower() if field == "log_level" else value) not in choices:
+                raise ValueError(f"{field} must be one of {', '.join(choices)}, got {value!r}")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if self.pool_size is not None and self.pool_size < self.max_batch_size:
             raise ValueError(f"pool_size must be >= max_batch_size ({self.max_batch_size}), got {self.pool_size}")
-        cuda_n = self.device.startswith("cuda:") and self.device[5:].isdigit()
-        if not (self.device in ("auto", "cpu", "cuda") or cuda_n):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.attention_backend != "auto" and self.attention_backend not in attention_backends():
-            raise ValueError(f"attention_backend must be auto or one of {', '.join(attention_backends())}, "
-                             f"got {self.attention_backend!r}")
-        if self.gemm not in GEMM_MODES:
-            raise ValueError(f"gemm must be one of {', '.join(GEMM_MODES)}, got {self.gemm!r}")
-        if self.speculation not in SPECULATION_MODES:
-            raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
-        if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
-            raise ValueError(
-                f"log_level must be critical, error, warning, info, debug or trace, got {self.log_level!r}"
-            )
-        if self.demo not in DEMO_PAIRS:
-            raise ValueError(f"demo must be one of {', '.join(DEMO_PAIRS)}, got {self.demo!r}")
         if self.draft_model is not None and self.model is None:
             raise ValueError("draft_model needs model (without --model the built-in demo pair is used)")
         return self

@@ -53,7 +53,7 @@ def test_show_before_and_after_a_build(tmp_path, capsys, monkeypatch):
     assert "scale 'smollm2'" in capsys.readouterr().err
     monkeypatch.setenv("EXSPEC_DEMO", "huge")
     assert cli.main(["demo-models", "--show", "--out", str(out)]) == 2
-    assert "demo must be one of smollm2, tiny, got 'huge'" in capsys.readouterr().err
+    assert "--demo / EXSPEC_DEMO: demo must be one of smollm2, tiny, got 'huge'" in capsys.readouterr().err
 
 
 def test_show_uses_the_default_cache_dir(tmp_path, capsys):
