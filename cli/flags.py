@@ -7,6 +7,7 @@ import argparse
 
 from exspec.cli.settings import DTYPES, SPECULATION_MODES, Settings, attention_backends, load_settings
 from exspec.engine.config import ATTENTION_DEFAULT, KV_MEMORY_DEFAULT, MAX_SPECULATIVE_TOKENS
+from exspec.scheduler.types import POOL_FACTOR
 
 
 def _default(field: str):
@@ -45,7 +46,7 @@ FLAGS = {
     "speculation": ("MODE", f"{' | '.join(SPECULATION_MODES)}: how k is chosen per step "
                             f"(default {Settings.model_fields['speculation'].default})"),
     "max_batch_size": ("B", f"sequences per speculative step (default {_default('max_batch_size')})"),
-    "pool_size": ("W", "live sequences at most (sequence slots), W >= B (default 4 x B); the KV blocks free "
+    "pool_size": ("W", f"live sequences at most (sequence slots), W >= B (default {POOL_FACTOR} x B); the KV blocks free "
                        "bound them too"),
     "max_waiting": ("N", f"requests queued beyond the pool before the server answers 429 "
                          f"(default {_default('max_waiting')})"),

@@ -23,13 +23,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from exspec.demo.recipe import DEFAULT_DEMO, DEMO_PAIRS
 from exspec.engine.config import DEFAULT_MAX_MODEL_LEN, GEMM_MODES, MAX_SPECULATIVE_TOKENS, position_limit_of
 from exspec.engine.config import DTYPES as ENGINE_DTYPES
-from exspec.scheduler.types import SchedulerConfig
+from exspec.scheduler.types import POOL_FACTOR, SchedulerConfig
 
 from exspec.errors import ConfigError
 
 if TYPE_CHECKING:
     from exspec.engine.config import EngineConfig
-    from exspec.scheduler.types import SchedulerConfig
 
 DTYPES = ("auto", *ENGINE_DTYPES)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -61,7 +60,7 @@ class Settings(BaseSettings):
     # the scheduler
     speculation: str = DEFAULT_SPECULATION
     max_batch_size: int = Field(default=SchedulerConfig.max_batch_size, ge=1, le=4096)  # B: sequences per step
-    pool_size: int | None = Field(default=None, ge=1, le=65536)  # W: live sequences (KV slots); default 4 x B
+    pool_size: int | None = Field(default=None, ge=1, le=65536)  # W: live sequences (KV slots); default POOL_FACTOR x B
     max_waiting: int = Field(default=SchedulerConfig.max_waiting, ge=1)  # queued beyond this: the server's 429
     # the server
     host: str = "127.0.0.1"
@@ -120,7 +119,7 @@ class Settings(BaseSettings):
 
     @property
     def resolved_pool_size(self) -> int:
-        return self.pool_size if self.pool_size is not None else 4 * self.max_batch_size
+        return self.pool_size if self.pool_size is not None else POOL_FACTOR * self.max_batch_size
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -216,7 +215,6 @@ def resolve(
     the draft."""
     from exspec.engine.config import EngineConfig
     from exspec.engine.gguf import resolve_model_path
-    from exspec.scheduler.types import SchedulerConfig
 
     k = settings.num_speculative_tokens
     if k == 0:

@@ -10,10 +10,14 @@ from exspec.engine.config import check_num_speculative_tokens
 from exspec.errors import ExspecError, QueueFullError, SchedulerClosedError  # noqa: F401 (re-exported)
 
 
+DEFAULT_BATCH_SIZE = 8  # B when none is given
+POOL_FACTOR = 4  # W = POOL_FACTOR x B when no pool size is given (serve, generate; the bench's --pool-factor)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_batch_size: int = 8  # B: sequences in one speculative step
-    pool_size: int = 32  # W >= B: live (prefilled, running) sequences the pool holds
+    max_batch_size: int = DEFAULT_BATCH_SIZE  # B: sequences in one speculative step
+    pool_size: int = POOL_FACTOR * DEFAULT_BATCH_SIZE  # W >= B: live (prefilled, running) sequences the pool holds
     max_waiting: int = 256  # requests queued before admission; beyond it submit() raises QueueFullError
     num_speculative_tokens: int = 4  # k (fixed policy) or the largest k (adaptive policy)
     speculation: str = "auto"  # "auto" (k from modelled acceptance and cost, speculation.ModelPolicy) | "fixed" | "adaptive"

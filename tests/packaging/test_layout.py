@@ -85,6 +85,7 @@ WRITTEN_ONCE = {
     r'"max_sequence_length"': "engine/config.py",  # the position-limit keys
     r"max_model_len \+ [^\n]*\+ 1\b": "engine/config.py",  # a slot's token-buffer length
     r'"cuda": 0\.9': "engine/config.py",  # the KV memory default
+    r"POOL_FACTOR = \d+|\b4 \* (self\.)?max_batch_size|pool_factor: int = 4": "scheduler/types.py",  # W = 4 x B
 }
 
 
