@@ -36,8 +36,8 @@ def run_command(args: argparse.Namespace, settings, resolve_models: Callable[[],
     if args.synthetic is not None and settings.model is not None:
         raise BenchError("pass one of --model and --synthetic, not both")
     # Every engine setting checked before a pair may be built (minutes): placeholders stand for its paths.
-    given = settings.model is not None
-    template = resolve_engine(settings.model if given else Path("<target>"), settings.draft_model if given else Path("<draft>"))
+    pair = (settings.model, settings.draft_model) if settings.model is not None else (Path("<target>"), Path("<draft>"))
+    template = resolve_engine(*pair)
     if args.mode == "forward":
         return _forward(args, template, resolve_models, resolve_engine)
     return _throughput(args, template, resolve_models, resolve_engine)

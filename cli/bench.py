@@ -16,9 +16,9 @@ from exspec.bench.config import DEFAULT_REPEATS, METHODS, BenchConfig
 from exspec.cli.flags import ENGINE_FIELDS, add_settings_arguments, resolve_models, settings_from_args
 
 # The shared settings bench takes: the same flags, EXSPEC_* variables, defaults and checks as serve and generate
-# (exspec.cli.settings.Settings, resolved into the EngineConfig by exspec.cli.settings.resolve), less the scheduler's batch
-# and pool (the bench sweeps --batch-sizes, with W = --pool-factor x B) and its policy (the `exspec` method runs
-# the scheduler's default, exspec-fixed and exspec-mixed a fixed k).
+# (cli/settings.py: Settings, resolved into the EngineConfig by resolve()), less the scheduler's batch and pool (the
+# bench sweeps --batch-sizes, with W = --pool-factor x B) and its policy (the `exspec` method runs the scheduler's
+# default, exspec-fixed and exspec-mixed a fixed k).
 BENCH_FIELDS = tuple(f for f in ENGINE_FIELDS if f not in ("max_batch_size", "pool_size", "speculation"))
 
 SYNTHETIC = ("tiny", "350m", "1b", "8b")  # == exspec.bench.synthetic.SHAPES

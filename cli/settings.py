@@ -24,6 +24,7 @@ from exspec.demo.recipe import DEFAULT_DEMO, DEMO_PAIRS
 from exspec.engine.config import DEFAULT_MAX_MODEL_LEN, GEMM_MODES, MAX_SPECULATIVE_TOKENS, position_limit_of
 from exspec.engine.config import DTYPES as ENGINE_DTYPES
 from exspec.scheduler.types import POOL_FACTOR, SchedulerConfig
+from exspec.server.config import INT64_MAX, ServerConfig
 
 from exspec.errors import ConfigError
 
@@ -66,19 +67,19 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
-    shutdown_timeout: float = Field(default=30.0, ge=0)  # seconds running requests get to finish on SIGTERM
+    shutdown_timeout: float = Field(default=ServerConfig.shutdown_timeout, ge=0)  # seconds to finish on SIGTERM
     log_level: str = "info"
     # the server's limits (exspec.server.config.ServerConfig; docs/SERVER.md lists them all)
-    max_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1, le=2**63 - 1)  # larger bodies: 413
-    body_read_timeout: float = Field(default=30.0, gt=0)  # seconds to send a whole body, else 408
-    keep_alive_timeout: float = Field(default=5.0, gt=0)  # idle connection (or unfinished headers): closed
-    max_n: int = Field(default=16, ge=1, le=2**63 - 1)  # choices per request (n, best_of)
-    max_prompts: int = Field(default=64, ge=1, le=2**63 - 1)  # prompts in one completions request
-    max_prompt_chars: int = Field(default=1_000_000, ge=1, le=2**63 - 1)  # per prompt / per chat request
-    max_messages: int = Field(default=1024, ge=1, le=2**63 - 1)  # messages per chat request
-    max_stop: int = Field(default=16, ge=1, le=2**63 - 1)  # stop strings per request
-    max_stop_chars: int = Field(default=1024, ge=1, le=2**63 - 1)  # characters per stop string
-    max_stop_token_ids: int = Field(default=256, ge=0, le=2**63 - 1)  # stop_token_ids per request
+    max_body_bytes: int = Field(default=ServerConfig.max_body_bytes, ge=1, le=INT64_MAX)  # larger bodies: 413
+    body_read_timeout: float = Field(default=ServerConfig.body_read_timeout, gt=0)  # else 408
+    keep_alive_timeout: float = Field(default=ServerConfig.keep_alive_timeout, gt=0)  # idle: closed
+    max_n: int = Field(default=ServerConfig.max_n, ge=1, le=INT64_MAX)  # choices per request (n, best_of)
+    max_prompts: int = Field(default=ServerConfig.max_prompts, ge=1, le=INT64_MAX)  # per completions request
+    max_prompt_chars: int = Field(default=ServerConfig.max_prompt_chars, ge=1, le=INT64_MAX)  # per prompt
+    max_messages: int = Field(default=ServerConfig.max_messages, ge=1, le=INT64_MAX)  # messages per chat request
+    max_stop: int = Field(default=ServerConfig.max_stop, ge=1, le=INT64_MAX)  # stop strings per request
+    max_stop_chars: int = Field(default=ServerConfig.max_stop_chars, ge=1, le=INT64_MAX)  # characters per stop string
+    max_stop_token_ids: int = Field(default=ServerConfig.max_stop_token_ids, ge=0, le=INT64_MAX)
 
     @field_validator("kv_cache_memory")
     @classmethod

@@ -1,4 +1,4 @@
-"""ServerConfig is resolved once from exspec.cli.settings.Settings; every setting is a flag, an EXSPEC_* variable and a row
+"""ServerConfig is resolved once from cli/settings.py Settings; every setting is a flag, an EXSPEC_* variable and a row
 of docs/SERVER.md with its default."""
 
 from __future__ import annotations
