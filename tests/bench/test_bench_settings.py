@@ -103,6 +103,7 @@ def test_max_model_len_is_the_pairs_position_limit_and_checked_against_it(pair_d
     (["--num-speculative-tokens", "33"], "--num-speculative-tokens / EXSPEC_NUM_SPECULATIVE_TOKENS"),
     (["--num-speculative-tokens", "0"], "--num-speculative-tokens must be >= 1 for methods"),
     (["--kv-cache-memory", "2.5"], "--kv-cache-memory / EXSPEC_KV_CACHE_MEMORY"),
+    (["--fixed-ks", "2,33"], "--fixed-ks must be in [0, 32], got 33"),
     (["--gemm", "fast"], "--gemm / EXSPEC_GEMM: gemm must be one of auto, packed, default"),
 ])
 def test_bad_engine_settings_are_refused_before_anything_runs(pair_dirs, tmp_path, recorded, capsys, flags, message):
@@ -115,3 +116,22 @@ def test_bad_engine_settings_are_refused_before_anything_runs(pair_dirs, tmp_pat
 def test_k_zero_runs_the_methods_without_a_draft(pair_dirs, tmp_path, recorded):
     _bench(pair_dirs, tmp_path, "--num-speculative-tokens", "0", "--methods", "target-ar,hf-generate")
     assert recorded[0].num_speculative_tokens == 0 and recorded[0].draft_model is None
+
+
+def test_the_bench_s_own_flags_map_onto_bench_config_by_name(pair_dirs, tmp_path, recorded):
+    """No flag copies a default: absent flags leave BenchConfig's; given ones set the field of the same name."""
+    from dataclasses import replace
+
+    from exspec.bench.config import OPTIONS, BenchConfig
+
+    _bench(pair_dirs, tmp_path)
+    default = recorded[0]
+    assert default == BenchConfig(engine=default.engine)
+    _bench(pair_dirs, tmp_path, "--methods", "target-ar,exspec", "--batch-sizes", "2,1", "--num-prompts", "5",
+           "--max-prompt-len", "40", "--max-tokens", "7", "--fixed-ks", "0,3", "--pool-factor", "2", "--repeats", "4",
+           "--chat-template", "--no-warmup")
+    assert recorded[1] == replace(default, methods=("target-ar", "exspec"), batch_sizes=(2, 1), num_prompts=5,
+                                  max_prompt_len=40, max_tokens=7, fixed_ks=(0, 3), pool_factor=2, repeats=4,
+                                  chat_template=True, warmup=False)
+    assert set(OPTIONS) == {"methods", "batch_sizes", "num_prompts", "max_prompt_len", "max_tokens", "fixed_ks",
+                            "pool_factor", "repeats", "chat_template", "warmup"}
