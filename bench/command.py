@@ -1,5 +1,10 @@
 """What `exspec bench` does once its flags are parsed: pick the model pair (given, the demo pair or a
-synthetic one), run the throughput or the forward benchmark, write the results."""
+synthetic one), run the throughput or the forward benchmark, write the results.
+
+The engine's settings (device, dtype, k, attention backend, GEMM mode, compile, KV memory, max_model_len) come
+resolved from the command line's one settings path, as for serve and generate: `resolve_engine(target, draft)`
+gives the EngineConfig for a pair (the models' position limit checked there); this module adds the bench's own
+options (methods, batch sizes, prompts ...)."""
 
 from __future__ import annotations
 
@@ -11,31 +16,36 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from exspec.bench.runner import NEAR_TIE_EPS, TIMING, Bench, BenchConfig, BenchError
-from exspec.config import resolve_device
+from exspec.bench.config import DEFAULT_REPEATS, OPTIONS, BenchConfig
+from exspec.bench.runner import NEAR_TIE_EPS, TIMING, Bench, BenchError
+from exspec.engine.config import EngineConfig
 
-DEFAULT_REPEATS = {"throughput": 3, "forward": 7}
+
+# (target, draft) -> the pair's EngineConfig, resolved from the command's settings (exspec.cli: flags, EXSPEC_*
+# variables, defaults; the models' position limit)
+ResolveEngine = Callable[[Path, "Path | None"], EngineConfig]
 
 
-def run_command(args: argparse.Namespace, resolve_models: Callable[[argparse.Namespace], tuple[Path, Path | None]]) -> int:
-    """`exspec bench`. resolve_models(args) -> (target, draft) gives the pair when neither --synthetic nor
-    anything else names one (the CLI passes the demo-pair resolver)."""
+def run_command(args: argparse.Namespace, settings, resolve_models: Callable[[], tuple[Path, Path | None]],
+                resolve_engine: ResolveEngine) -> int:
+    """`exspec bench`. `args`: the bench's own options; `settings`: the command line's resolved settings (read:
+    model, draft_model, device, dtype); resolve_models() -> (target, draft) gives the pair when --synthetic does
+    not (the CLI passes the given or the demo pair); resolve_engine(target, draft) -> EngineConfig."""
     if args.output.exists() and not args.output.is_dir():
         raise BenchError(f"--output {str(args.output)!r} exists and is not a directory")
-    if args.synthetic is not None and args.model is not None:
+    if args.synthetic is not None and settings.model is not None:
         raise BenchError("pass one of --model and --synthetic, not both")
-    device, dtype = resolve_device(args.device, args.dtype)
-    if dtype not in NEAR_TIE_EPS:
-        raise BenchError(f"--dtype must be auto or one of {sorted(NEAR_TIE_EPS)}, got {dtype!r}")
-    repeats = args.repeats if args.repeats is not None else DEFAULT_REPEATS[args.mode]
+    # Every engine setting checked before a pair may be built (minutes): placeholders stand for its paths.
+    pair = (settings.model, settings.draft_model) if settings.model is not None else (Path("<target>"), Path("<draft>"))
+    template = resolve_engine(*pair)
     if args.mode == "forward":
-        return _forward(args, device, dtype, repeats, resolve_models)
-    return _throughput(args, device, dtype, repeats, resolve_models)
+        return _forward(args, template, resolve_models, resolve_engine)
+    return _throughput(args, template, resolve_models, resolve_engine)
 
 
 def _pair(args, device: str, resolve_models) -> tuple[Path, Path | None, dict]:
     if args.synthetic is None:
-        target, draft = resolve_models(args)
+        target, draft = resolve_models()
         return target, draft, {}
     from exspec.bench.synthetic import SyntheticError, ensure_synthetic_pair
 
@@ -69,6 +79,13 @@ def _meta(args, title: str, device: str, dtype: str) -> dict:
     }
 
 
+def _engine_meta(engine) -> str:
+    """The resolved engine settings every engine method shares (each point sets its own pool, k and length)."""
+    mem = "device default" if engine.kv_cache_memory is None else engine.kv_cache_memory
+    return (f"attention {engine.attention}, gemm {engine.gemm}, compile {'on' if engine.compile else 'off'}, "
+            f"kv_cache_memory {mem}, max_model_len {engine.max_model_len}")
+
+
 def _loadavg() -> str:
     """The 1, 5 and 15 minute load averages (`cat /proc/loadavg`), or "?" where there is none."""
     try:
@@ -77,36 +94,20 @@ def _loadavg() -> str:
         return "?"
 
 
-def _throughput(args, device: str, dtype: str, repeats: int, resolve_models) -> int:
+def _throughput(args, template: EngineConfig, resolve_models, resolve_engine: ResolveEngine) -> int:
     from exspec.bench.report import write_results
     from exspec.data.reference import write_reference
 
-    # Validate every option before a pair may be built (minutes): placeholders stand for its paths.
-    config = BenchConfig(
-        model=args.model or Path("<target>"),
-        draft_model=args.draft_model if args.model is not None else Path("<draft>"),
-        device=device,
-        dtype=dtype,
-        methods=args.methods,
-        batch_sizes=args.batch_sizes,
-        num_prompts=args.num_prompts,
-        max_prompt_len=args.max_prompt_len,
-        max_tokens=args.max_tokens,
-        num_speculative_tokens=args.num_speculative_tokens,
-        pool_factor=args.pool_factor,
-        repeats=repeats,
-        chat_template=args.chat_template,
-        max_model_len=args.max_model_len,
-        warmup=not args.no_warmup,
-        attention=getattr(args, "attention_backend", None) or "auto",
-        fixed_ks=args.fixed_ks,
-    )
+    # Validate every option before a pair may be built (minutes): the template holds placeholder paths. The
+    # flags are BenchConfig's fields by name; an absent one (None) leaves BenchConfig's default.
+    options = {name: getattr(args, name) for name in OPTIONS if getattr(args, name, None) is not None}
+    config = BenchConfig(engine=template, **options)
     if args.write_reference is not None and not args.write_reference.resolve().parent.is_dir():
         raise BenchError(f"--write-reference: directory {str(args.write_reference.resolve().parent)!r} does not exist")
-    target, draft, extra = _pair(args, device, resolve_models)
-    config = replace(config, model=target, draft_model=draft)
+    target, draft, extra = _pair(args, template.device, resolve_models)
+    config = replace(config, engine=resolve_engine(target, draft))  # the models' position limit checked here
     bench = Bench(config, progress=not args.no_progress)
-    meta = _meta(args, "exspec bench", device, dtype)  # load average as the timed runs start
+    meta = _meta(args, "exspec bench", config.device, config.dtype)  # load average as the timed runs start
     rows = [r.to_dict() for r in bench.run()]
     from exspec.scheduler import SchedulerConfig
 
@@ -119,6 +120,7 @@ def _throughput(args, device: str, dtype: str, repeats: int, resolve_models) -> 
                    + (f", at most {config.max_prompt_len} tokens" if config.max_prompt_len else ""),
         "max_tokens": config.max_tokens,
         "k": config.num_speculative_tokens,
+        "engine": _engine_meta(config.engine),
         "exspec policy": f"SchedulerConfig() default speculation={SchedulerConfig().speculation!r}, k up to "
                          f"{config.num_speculative_tokens}; exspec-fixed and exspec-mixed: fixed k",
         "repeats": config.repeats,
@@ -134,25 +136,28 @@ def _throughput(args, device: str, dtype: str, repeats: int, resolve_models) -> 
     return 0
 
 
-def _forward(args, device: str, dtype: str, repeats: int, resolve_models) -> int:
+def _forward(args, template: EngineConfig, resolve_models, resolve_engine: ResolveEngine) -> int:
     import json
 
     from exspec.bench.forward import forward_markdown, forward_points, time_forwards
     from exspec.bench.report import write_text_atomic
-    from exspec.engine import EngineConfig, load_model_pair
+    from exspec.engine import load_model_pair
 
     if not args.kv_lens or any(v < 1 for v in args.kv_lens):
         raise BenchError(f"--kv-lens must be a comma-separated list of integers >= 1, got {args.kv_lens!r}")
-    if not 0 <= args.num_speculative_tokens <= 32:
-        raise BenchError(f"--num-speculative-tokens must be in [0, 32], got {args.num_speculative_tokens}")
+    repeats = args.repeats if args.repeats is not None else DEFAULT_REPEATS["forward"]
+    warmup = 0 if args.warmup is False else 1
+    batch_sizes = args.batch_sizes or BenchConfig.batch_sizes
     if repeats < 1:
         raise BenchError(f"--repeats must be >= 1, got {repeats}")
-    target, _, extra = _pair(args, device, resolve_models)
-    pair = load_model_pair(EngineConfig(model=target, device=device, dtype=dtype))
-    points = forward_points(tuple(sorted(set(args.batch_sizes))), tuple(args.kv_lens), args.num_speculative_tokens)
-    meta = _meta(args, "exspec bench --mode forward", device, dtype)  # load average as the forwards start
-    attention = getattr(args, "attention_backend", None) or "auto"
-    rows = time_forwards(pair.target, pair.vocab_size, points, repeats=repeats, warmup=0 if args.no_warmup else 1,
+    target, _, extra = _pair(args, template.device, resolve_models)
+    engine = resolve_engine(target, None)
+    k = engine.max_num_speculative_tokens
+    pair = load_model_pair(engine)
+    points = forward_points(tuple(sorted(set(batch_sizes))), tuple(args.kv_lens), k)
+    meta = _meta(args, "exspec bench --mode forward", engine.device, engine.dtype)  # load average as the forwards start
+    attention = engine.attention
+    rows = time_forwards(pair.target, pair.vocab_size, points, repeats=repeats, warmup=warmup,
                          progress=not args.no_progress, attention=attention)
     meta["load average at end"] = _loadavg()
     meta.update({
@@ -161,9 +166,9 @@ def _forward(args, device: str, dtype: str, repeats: int, resolve_models) -> int
         "forward": "ModelRunner.extend(tokens [B, q_len], starts=[kv_len] * B, slots) of the target, logits for "
                    "every query; q_len 1 and k + 1; KV blocks consecutive (each row's block ids in a run) or "
                    "scattered (the rows' blocks interleaved); layouts interleaved, median of "
-                   f"{repeats} after {0 if args.no_warmup else 1} warm-up",
+                   f"{repeats} after {warmup} warm-up",
         "attention backend": attention,
-        "k": args.num_speculative_tokens,
+        "k": k,
     })
     args.output.mkdir(parents=True, exist_ok=True)
     write_text_atomic(args.output / "results.json", json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")

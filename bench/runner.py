@@ -49,8 +49,13 @@ from exspec.data import (
     load_questions,
 )
 from exspec.data.reference import ReferenceRow
+from exspec.bench.config import (  # noqa: F401 (METHODS, DRAFT_METHODS re-exported)
+    DRAFT_METHODS,
+    ENGINE_METHODS,
+    METHODS,
+    BenchConfig,
+)
 from exspec.engine import (
-    EngineConfig,
     ModelPair,
     SamplingParams,
     SpecEngine,
@@ -60,81 +65,12 @@ from exspec.scheduler import SchedulerConfig, SpeculationPolicy, generate_offlin
 
 from exspec.errors import BenchError
 
-METHODS = ("target-ar", "hf-generate", "hf-assisted", "exspec-mixed", "exspec-fixed", "exspec")
-ENGINE_METHODS = ("target-ar", "exspec-mixed", "exspec-fixed", "exspec")  # through our engine and scheduler
-DRAFT_METHODS = ("hf-assisted", "exspec-mixed", "exspec-fixed", "exspec")  # need a draft model
 REFERENCE = ("target-ar", 1)  # (method, batch size) every method's outputs are compared with
 TIMING = (
     "generated tokens / wall time of the whole offline run (first prompt handed over to last token on the "
     "host: prefill, scheduling, padding and decode included; model loading and warm-up excluded), median of "
     "the repeats"
 )
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    model: Path  # target model directory
-    draft_model: Path | None  # draft directory; needed by DRAFT_METHODS
-    device: str = "cpu"  # resolved: "cpu", "cuda" or "cuda:N" (exspec.config.resolve_device turns "auto" into one)
-    dtype: str = "float32"  # resolved: a key of NEAR_TIE_EPS
-    methods: tuple[str, ...] = METHODS
-    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-    num_prompts: int = 32  # SpecBench questions, evenly spaced over those that fit max_prompt_len
-    max_prompt_len: int | None = None  # questions longer than this many tokens are left out; None: no limit
-    max_tokens: int = 128  # new tokens per prompt (fewer when EOS comes first)
-    num_speculative_tokens: int = 4  # k of DRAFT_METHODS (the largest k for `exspec`), as serve/generate
-    pool_factor: int = 4  # exspec's pool W = pool_factor * B (capped at max(B, num_prompts))
-    repeats: int = 3  # timed runs per (method, B); the median is reported
-    chat_template: bool = False  # prompts through the tokenizer's chat template
-    max_model_len: int = 2048  # cap on prompt + max_tokens
-    warmup: bool = True  # one untimed short run per (method, B) before the timed ones
-    attention: str = "auto"  # the engine's attention backend (engine/backends/)
-    fixed_ks: tuple[int, ...] = ()  # exspec-fixed at each of these k (rows exspec-fixed-kK); (): at k only
-
-    def __post_init__(self) -> None:
-        def bad(name: str, rule: str, value: object) -> None:
-            raise BenchError(f"{name} must be {rule}, got {value!r}")
-
-        unknown = [m for m in self.methods if m not in METHODS]
-        if unknown or not self.methods:
-            bad("--methods", f"a non-empty comma-separated subset of {','.join(METHODS)}", ",".join(self.methods))
-        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
-            bad("--batch-sizes", "a comma-separated list of integers >= 1", self.batch_sizes)
-        if self.num_prompts < 1:
-            bad("--num-prompts", ">= 1", self.num_prompts)
-        if self.max_prompt_len is not None and self.max_prompt_len < 1:
-            bad("--max-prompt-len", ">= 1", self.max_prompt_len)
-        if self.max_tokens < 1:
-            bad("--max-tokens", ">= 1", self.max_tokens)
-        if not 1 <= self.num_speculative_tokens <= 32:
-            bad("--num-speculative-tokens", "in [1, 32]", self.num_speculative_tokens)
-        if self.pool_factor < 1:
-            bad("--pool-factor", ">= 1", self.pool_factor)
-        if self.repeats < 1:
-            bad("--repeats", ">= 1", self.repeats)
-        if self.dtype not in NEAR_TIE_EPS:
-            bad("--dtype", f"one of {sorted(NEAR_TIE_EPS)}", self.dtype)
-        if any(not 0 <= k <= 32 for k in self.fixed_ks):
-            bad("--fixed-ks", "comma-separated integers in [0, 32]", self.fixed_ks)
-        needs_draft = [m for m in self.methods if m in DRAFT_METHODS]
-        if needs_draft and self.draft_model is None:
-            raise BenchError(f"methods {', '.join(needs_draft)} need a draft model: pass --draft-model")
-
-    def points(self) -> list[tuple[str, int]]:
-        """(method, batch size) pairs to time, in report order; hf-assisted runs at B = 1 only; with fixed_ks,
-        exspec-fixed becomes one method per k, named exspec-fixed-kK."""
-        named = [
-            (m, b)
-            for b in sorted(set(self.batch_sizes))
-            for m in METHODS
-            if m in self.methods and (m != "hf-assisted" or b == 1)
-        ] + ([("hf-assisted", 1)] if "hf-assisted" in self.methods and 1 not in self.batch_sizes else [])
-        ks = sorted(set(self.fixed_ks))
-        return [
-            point
-            for m, b in named
-            for point in ([(f"exspec-fixed-k{k}", b) for k in ks] if ks and m == "exspec-fixed" else [(m, b)])
-        ]
 
 
 @dataclass
@@ -194,13 +130,7 @@ class Bench:
     def __init__(self, config: BenchConfig, progress: bool = True) -> None:
         self.config = config
         self.progress = progress
-        engine_cfg = EngineConfig(
-            model=Path(config.model),
-            draft_model=Path(config.draft_model) if config.draft_model is not None else None,
-            device=config.device,
-            dtype=config.dtype,
-        )
-        self.pair: ModelPair = load_model_pair(engine_cfg)
+        self.pair: ModelPair = load_model_pair(config.engine)
         self.device = torch.device(config.device)
         tok = self.pair.tokenizer
         self.prompts = self._select_prompts(tok)
@@ -344,16 +274,13 @@ class Bench:
         pool = self._pool_size(method, b)
         pair = replace(self.pair, draft=None) if k == 0 else self.pair
         engine = SpecEngine(
-            EngineConfig(
-                model=Path(cfg.model),
-                draft_model=None if k == 0 else Path(cfg.draft_model),
-                device=cfg.device,
-                dtype=cfg.dtype,
+            replace(  # the resolved engine (attention, gemm, compile, KV memory ...) sized for this point
+                cfg.engine,
+                draft_model=None if k == 0 else cfg.draft_model,
                 max_num_seqs=pool,
                 max_model_len=self.max_model_len,
                 max_num_speculative_tokens=k,
                 force_mixed=method == "exspec-mixed",
-                attention=cfg.attention,
             ),
             pair=pair,
         )

@@ -12,14 +12,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from exspec.cli.flags import add_settings_arguments, resolve_models, settings_from_args
+from exspec.bench.config import DEFAULT_REPEATS, METHODS, BenchConfig
+from exspec.cli.flags import ENGINE_FIELDS, add_settings_arguments, resolve_models, settings_from_args
 
-# The shared settings bench takes (the same flags, variables and defaults as serve and generate:
-# exspec.config.Settings; device and dtype default to auto there).
-BENCH_FIELDS = ("model", "draft_model", "device", "dtype", "max_model_len", "attention_backend")
+# The shared settings bench takes: the same flags, EXSPEC_* variables, defaults and checks as serve and generate
+# (cli/settings.py: Settings, resolved into the EngineConfig by resolve()), less the scheduler's batch and pool (the
+# bench sweeps --batch-sizes, with W = --pool-factor x B) and its policy (the `exspec` method runs the scheduler's
+# default, exspec-fixed and exspec-mixed a fixed k).
+BENCH_FIELDS = tuple(f for f in ENGINE_FIELDS if f not in ("max_batch_size", "pool_size", "speculation"))
 
-# == exspec.bench.runner.METHODS (not imported here: that module imports torch)
-METHODS = ("target-ar", "hf-generate", "hf-assisted", "exspec-mixed", "exspec-fixed", "exspec")
 SYNTHETIC = ("tiny", "350m", "1b", "8b")  # == exspec.bench.synthetic.SHAPES
 
 
@@ -35,12 +36,9 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def _k_list(text: str) -> tuple[int, ...]:
     try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
+        return tuple(int(x) for x in text.split(",") if x.strip())  # k's range: checked by BenchConfig
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(not 0 <= v <= 32 for v in values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers in [0, 32], got {text!r}")
-    return values
 
 
 def _methods(text: str) -> tuple[str, ...]:
@@ -62,31 +60,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--synthetic-cache", type=Path, default=Path.home() / ".cache" / "exspec" / "synthetic",
                    help="where synthetic pairs are cached (default: ~/.cache/exspec/synthetic)")
     p.add_argument("--output", type=Path, default=Path("bench-results"), help="output directory (default: bench-results)")
-    p.add_argument("--methods", type=_methods, default=METHODS, help=f"comma-separated (default: {','.join(METHODS)})")
-    p.add_argument("--batch-sizes", type=_int_list, default=(1, 2, 4, 8, 16, 32), help="default: 1,2,4,8,16,32")
+    # BenchConfig's own fields, one flag each with the field's name (exspec.bench.config.OPTIONS); no default
+    # here: an absent flag leaves BenchConfig's, written once there.
+    p.add_argument("--methods", type=_methods, default=None, help=f"comma-separated (default: {','.join(METHODS)})")
+    p.add_argument("--batch-sizes", type=_int_list, default=None,
+                   help=f"default: {','.join(map(str, BenchConfig.batch_sizes))}")
     p.add_argument("--kv-lens", type=_int_list, default=(256, 2048), help="forward mode: keys per row (default: 256,2048)")
-    p.add_argument("--num-prompts", type=int, default=32, help="SpecBench questions, evenly spaced (default: 32)")
-    p.add_argument("--max-prompt-len", type=int, default=None, help="leave out questions longer than this many tokens (default: no limit)")
-    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default: 128)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="k, as serve and generate (default: 4)")
-    p.add_argument("--fixed-ks", type=_k_list, default=(),
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help=f"SpecBench questions, evenly spaced (default: {BenchConfig.num_prompts})")
+    p.add_argument("--max-prompt-len", type=int, default=None,
+                   help="leave out questions longer than this many tokens (default: no limit)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"new tokens per prompt (default: {BenchConfig.max_tokens})")
+    p.add_argument("--fixed-ks", type=_k_list, default=None,
                    help="run exspec-fixed once per k in this comma-separated list (rows exspec-fixed-kK), e.g. "
                         "0,1,2,4,6 to find the best fixed k in the same run (default: only at --num-speculative-tokens)")
-    p.add_argument("--pool-factor", type=int, default=4, help="exspec pool W = factor x B, capped at the prompt count (default: 4)")
+    p.add_argument("--pool-factor", type=int, default=None,
+                   help=f"exspec pool W = factor x B, capped at the prompt count (default: {BenchConfig.pool_factor})")
     p.add_argument("--repeats", type=int, default=None,
-                   help="timed runs per point; the median is reported (default: 3; forward mode: 7)")
-    p.add_argument("--chat-template", action="store_true", help="prompts as a user turn through the chat template")
+                   help=f"timed runs per point; the median is reported (default: {DEFAULT_REPEATS['throughput']}; "
+                        f"forward mode: {DEFAULT_REPEATS['forward']})")
+    p.add_argument("--chat-template", dest="chat_template", action="store_const", const=True, default=None,
+                   help="prompts as a user turn through the chat template")
+    p.add_argument("--no-warmup", dest="warmup", action="store_const", const=False, default=None,
+                   help="skip the untimed warm-up run of each point")
     p.add_argument("--write-reference", type=Path, default=None,
                    help="also write the target-alone (target-ar, B=1) outputs as a reference JSONL for "
                         "`python -m exspec.loadtest --reference FILE`")
-    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each point")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
     from exspec.bench.command import run_command
+    from exspec.cli.settings import resolve
 
     settings = settings_from_args(args, BENCH_FIELDS)  # flags, then EXSPEC_* variables, then defaults
-    resolved = {f: getattr(settings, f) for f in BENCH_FIELDS}
-    resolved["max_model_len"] = settings.max_model_len or 2048  # bench caps prompt + max_tokens at this
-    return run_command(argparse.Namespace(**{**vars(args), **resolved}), lambda _: resolve_models(settings)[:2])
+    return run_command(args, settings, lambda: resolve_models(settings)[:2],
+                       lambda target, draft: resolve(settings, target, draft).engine)

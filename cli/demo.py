@@ -8,7 +8,10 @@ import sys
 import time
 from pathlib import Path
 
-from exspec.demo.recipe import DEFAULT_SCALE, SCALES
+from exspec.cli.flags import add_settings_arguments, settings_from_args
+from exspec.demo.recipe import SCALES
+
+SETTINGS = ("demo",)  # the shared settings demo-models takes: --demo / EXSPEC_DEMO, as serve, generate and bench
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,17 +25,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--show", action="store_true",
         help="print where the target, draft and tokenizer are and whether they are built; build nothing",
     )
+    add_settings_arguments(parser, SETTINGS)
     parser.add_argument(
-        "--tiny", action="store_const", const="tiny", dest="scale", default=DEFAULT_SCALE,
-        help="the toy pair (both models trained here from nothing, ~3 minutes) instead of SmolLM2 and its draft",
+        "--tiny", action="store_const", const="tiny", dest="demo",
+        help="--demo tiny: the toy pair (both models trained here from nothing, ~3 minutes) instead of SmolLM2 and "
+             "its draft",
     )
-    # Tests build a tiny pair in seconds with --scale test.
-    parser.add_argument("--scale", default=DEFAULT_SCALE, choices=SCALES, help=argparse.SUPPRESS)
+    # Tests build a tiny pair in seconds with --scale test (any recipe, over --demo).
+    parser.add_argument("--scale", default=None, choices=SCALES, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
     from exspec.demo import DemoBuildError, build_demo_pair, cached_pair, default_demo_dir, locate_pair
 
+    settings = settings_from_args(args, SETTINGS)  # flags, then EXSPEC_* variables, then defaults
+    args.scale = args.scale or settings.demo
     if args.seed < 0:
         raise DemoBuildError(f"--seed must be >= 0, got {args.seed}")
     out = args.out if args.out is not None else default_demo_dir()

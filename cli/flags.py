@@ -1,11 +1,18 @@
-"""The flags every command shares, one per `exspec.config.Settings` field: `--x-y` for field `x_y`, which
+"""The flags every command shares, one per `exspec.cli.settings.Settings` field: `--x-y` for field `x_y`, which
 the variable `EXSPEC_X_Y` also sets (a flag wins). No defaults here: `Settings` holds them, once."""
 
 from __future__ import annotations
 
 import argparse
 
-from exspec.config import ATTENTION_DEFAULT, DTYPES, KV_MEMORY_DEFAULT, SPECULATION_MODES, Settings, attention_backends, load_settings
+from exspec.cli.settings import DTYPES, SPECULATION_MODES, Settings, attention_backends, load_settings
+from exspec.engine.config import ATTENTION_DEFAULT, KV_MEMORY_DEFAULT, MAX_SPECULATIVE_TOKENS
+from exspec.scheduler.types import POOL_FACTOR
+
+
+def _default(field: str):
+    return Settings.model_fields[field].default
+
 
 # settings field -> (metavar, help)
 FLAGS = {
@@ -21,8 +28,9 @@ FLAGS = {
     "dtype": ("DTYPE", f"one of {', '.join(DTYPES)} (default auto: bfloat16 on CUDA, float32 on CPU)"),
     "max_model_len": ("L", "prompt + generated tokens per sequence (default: the smaller position limit of the "
                            "target and the draft, from their config.json)"),
-    "num_speculative_tokens": ("K", "draft tokens per step (the largest k under an adaptive policy; default 4); "
-                                    "0 decodes without speculation"),
+    "num_speculative_tokens": ("K", f"draft tokens per step, 0 to {MAX_SPECULATIVE_TOKENS} (the largest k under an "
+                                    f"adaptive policy; default {_default('num_speculative_tokens')}); 0 decodes "
+                                    "without speculation"),
     "attention_backend": ("NAME", f"auto | {' | '.join(attention_backends())}: how attention reads each row's KV "
                                   f"blocks (default auto: {ATTENTION_DEFAULT['cuda']} on CUDA, {ATTENTION_DEFAULT['cpu']} "
                                   "on CPU, reference where those cannot run; docs/ARCHITECTURE.md)"),
@@ -37,10 +45,11 @@ FLAGS = {
                       "on every device until measured"),
     "speculation": ("MODE", f"{' | '.join(SPECULATION_MODES)}: how k is chosen per step "
                             f"(default {Settings.model_fields['speculation'].default})"),
-    "max_batch_size": ("B", "sequences per speculative step (default 8)"),
-    "pool_size": ("W", "live sequences at most (sequence slots), W >= B (default 4 x B); the KV blocks free "
-                       "bound them too"),
-    "max_waiting": ("N", "requests queued beyond the pool before the server answers 429 (default 256)"),
+    "max_batch_size": ("B", f"sequences per speculative step (default {_default('max_batch_size')})"),
+    "pool_size": ("W", f"live sequences at most (sequence slots), W >= B (default {POOL_FACTOR} x B); the KV blocks "
+                       "free bound them too"),
+    "max_waiting": ("N", f"requests queued beyond the pool before the server answers 429 "
+                         f"(default {_default('max_waiting')})"),
     "host": ("HOST", "address to listen on (default 127.0.0.1)"),
     "port": ("PORT", "port to listen on (default 8000)"),
     "api_key": ("KEY", "require 'Authorization: Bearer KEY' on /v1/* (default: no key)"),

@@ -14,7 +14,7 @@ from exspec.cli.flags import (
     settings_from_args,
 )
 
-from exspec.config import resolve
+from exspec.cli.settings import resolve
 from exspec.data.atomic import write_lines_atomic
 from exspec.errors import ExspecError, InputError
 

@@ -12,7 +12,7 @@ import argparse
 import logging
 
 from exspec.cli.flags import FLAGS, add_settings_arguments, resolve_models, settings_from_args
-from exspec.config import Settings, resolve
+from exspec.cli.settings import Settings, resolve
 
 logger = logging.getLogger("exspec.server")
 

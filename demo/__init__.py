@@ -3,27 +3,47 @@
 corpus.py (training text), tokenizer.py, recipe.py (shapes and recipes), train.py and distill.py (the two
 training phases), threads.py, cache.py (where the pair lives, lock, atomic writes), build.py (the
 orchestration) and measure.py (agreement, acceptance length, latency).
+
+The public names are imported on first use (PEP 562), so that the command line reads recipe.py (the demo pairs
+a user may pick, the default one) without importing the builder's torch.
 """
 
-from exspec.demo.build import build_demo_pair, ensure_demo_pair
-from exspec.demo.cache import MARKER, PairLocation, cached_pair, default_demo_dir, locate_pair
-from exspec.demo.recipe import FORMAT_VERSION, RECIPES, DemoBuildError, DemoRecipe, ModelShape
-from exspec.demo.tokenizer import CHAT_TEMPLATE, EOS_ID, chat_ids
+from __future__ import annotations
 
-__all__ = [
-    "CHAT_TEMPLATE",
-    "DemoBuildError",
-    "DemoRecipe",
-    "EOS_ID",
-    "FORMAT_VERSION",
-    "MARKER",
-    "ModelShape",
-    "PairLocation",
-    "RECIPES",
-    "build_demo_pair",
-    "cached_pair",
-    "chat_ids",
-    "default_demo_dir",
-    "ensure_demo_pair",
-    "locate_pair",
-]
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "CHAT_TEMPLATE": "exspec.demo.tokenizer",
+    "DemoBuildError": "exspec.demo.recipe",
+    "DemoRecipe": "exspec.demo.recipe",
+    "EOS_ID": "exspec.demo.tokenizer",
+    "FORMAT_VERSION": "exspec.demo.recipe",
+    "MARKER": "exspec.demo.cache",
+    "ModelShape": "exspec.demo.recipe",
+    "PairLocation": "exspec.demo.cache",
+    "RECIPES": "exspec.demo.recipe",
+    "build_demo_pair": "exspec.demo.build",
+    "cached_pair": "exspec.demo.cache",
+    "chat_ids": "exspec.demo.tokenizer",
+    "default_demo_dir": "exspec.demo.cache",
+    "ensure_demo_pair": "exspec.demo.build",
+    "locate_pair": "exspec.demo.cache",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from exspec.demo.build import build_demo_pair, ensure_demo_pair
+    from exspec.demo.cache import MARKER, PairLocation, cached_pair, default_demo_dir, locate_pair
+    from exspec.demo.recipe import FORMAT_VERSION, RECIPES, DemoBuildError, DemoRecipe, ModelShape
+    from exspec.demo.tokenizer import CHAT_TEMPLATE, EOS_ID, chat_ids

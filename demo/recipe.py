@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from exspec.config import DEFAULT_DEMO
 from exspec.errors import DemoBuildError
 
 FORMAT_VERSION = 4  # bump when anything that changes the weights changes: older caches are rebuilt, never reused
@@ -93,7 +92,8 @@ class ImitationRecipe:
     threads: int  # torch intra-op threads at most (fewer when the cores are busy; see threads.py)
 
 
-DEFAULT_SCALE = DEFAULT_DEMO  # what `exspec demo-models` and `exspec serve` without --model build
+DEFAULT_DEMO = "smollm2"  # what `exspec demo-models` and `exspec serve` without --model build (--demo)
+DEFAULT_SCALE = DEFAULT_DEMO
 IMITATION_RECIPES = {
     "smollm2": ImitationRecipe(
         draft=ModelShape(hidden=256, layers=2, intermediate=768, heads=4, kv_heads=4),
@@ -111,6 +111,7 @@ IMITATION_RECIPES = {
     ),
 }
 SCALES = (*IMITATION_RECIPES, *RECIPES)
+DEMO_PAIRS = ("smollm2", "tiny")  # the scales a user may pick (--demo); "test" is for the tests
 
 
 def recipe_for(scale: str) -> DemoRecipe | ImitationRecipe:

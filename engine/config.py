@@ -1,23 +1,59 @@
-"""Engine configuration, resolved and validated once."""
+"""Engine configuration, resolved and validated once, and the engine's limits and defaults, each written once here
+(the command line's settings, the scheduler and the bench import them).
+
+Free of torch at import time (torch is imported where a config is checked or a dtype is needed), so that the
+command line reads these limits without importing torch: `exspec --help` stays fast.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from exspec.config import KV_MEMORY_DEFAULT  # noqa: F401  (re-exported: the engine's default, written once there)
 from exspec.errors import ConfigError
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
+if TYPE_CHECKING:
+    import torch
+
+# dtype names -> torch dtype names (float32, bfloat16, float16)
+DTYPES: dict[str, str] = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
 }
+MAX_SPECULATIVE_TOKENS = 32  # k, draft tokens per step, is in [0, MAX_SPECULATIVE_TOKENS] everywhere
+# max_model_len where neither the user nor the models' config.json gives one
+DEFAULT_MAX_MODEL_LEN = 2048
+# The KV pool's default share of the memory free once the weights are loaded (--kv-cache-memory): most of a
+# GPU (vLLM's --gpu-memory-utilization is 0.9 of the whole GPU), a modest part of the RAM a CPU host still has
+# available (its other processes keep the rest; the pool's pages are touched at start-up).
+KV_MEMORY_DEFAULT = {"cuda": 0.9, "cpu": 0.25}
+# The attention backend "auto" picks per device type (falling back to "reference" where it cannot run).
+ATTENTION_DEFAULT = {"cuda": "triton", "cpu": "sdpa"}
+GEMM_MODES = ("auto", "packed", "default")  # EngineConfig.gemm (engine/packed_linear.py)
+# Model config keys that declare a model's position limit, in the order they are looked for.
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def position_limit_of(config: Mapping | object) -> int | None:
+    """The number of positions a model config declares (a config.json dict or a transformers config), or None."""
+    for key in POSITION_KEYS:
+        value = config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def check_num_speculative_tokens(k: int, name: str) -> str | None:
+    """None when k is in [0, MAX_SPECULATIVE_TOKENS], else the message that names `name` and the range."""
+    if isinstance(k, int) and 0 <= k <= MAX_SPECULATIVE_TOKENS:
+        return None
+    return f"{name} must be in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
 
 
 @dataclass(frozen=True)
@@ -29,7 +65,7 @@ class EngineConfig:
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
     dtype: str = "float32"  # one of DTYPES
     max_num_seqs: int = 64  # sequence slots (token buffer, sampling parameters, block table row): live sequences at most
-    max_model_len: int = 2048  # prompt + generated tokens per sequence
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN  # prompt + generated tokens per sequence
     max_num_speculative_tokens: int = 8  # largest k a step may use
     attn_implementation: str = "sdpa"  # "sdpa" or "eager"
     force_mixed: bool = False  # benchmarks only: every step through the mixed-length path, even equal lengths
@@ -45,6 +81,8 @@ class EngineConfig:
     compile: bool = False
 
     def __post_init__(self) -> None:
+        import torch
+
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
@@ -55,10 +93,8 @@ class EngineConfig:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if not 0 <= self.max_num_speculative_tokens <= 32:
-            raise ConfigError(
-                f"max_num_speculative_tokens must be in [0, 32], got {self.max_num_speculative_tokens}"
-            )
+        if bad_k := check_num_speculative_tokens(self.max_num_speculative_tokens, "max_num_speculative_tokens"):
+            raise ConfigError(bad_k)
         from exspec.engine import backends
 
         if self.attention != backends.AUTO and self.attention not in backends.names():
@@ -68,8 +104,8 @@ class EngineConfig:
         mem = self.kv_cache_memory
         if mem is not None and not ((isinstance(mem, float) and 0 < mem <= 1) or (isinstance(mem, int) and mem > 0)):
             raise ConfigError(f"kv_cache_memory must be a fraction in (0, 1] or a byte count > 0, got {mem!r}")
-        if self.gemm not in ("auto", "packed", "default"):
-            raise ConfigError(f"gemm must be auto, packed or default, got {self.gemm!r}")
+        if self.gemm not in GEMM_MODES:
+            raise ConfigError(f"gemm must be one of {', '.join(GEMM_MODES)}, got {self.gemm!r}")
         if self.attn_implementation not in ("sdpa", "eager"):
             raise ConfigError(f"attn_implementation must be 'sdpa' or 'eager', got {self.attn_implementation!r}")
         if self.compile and self.attn_implementation == "eager":
@@ -77,4 +113,13 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, DTYPES[self.dtype])
+
+    @staticmethod
+    def token_pool_length(max_model_len: int, max_k: int) -> int:
+        """Positions a sequence slot's token buffer holds: max_model_len, plus slack for a rectangular verify,
+        which writes k + 1 columns from each row's pending token (rows near the end of their context fill the
+        columns past their budget with padding). max_k: the largest k a step uses (0 without a draft)."""
+        return max_model_len + max_k + 1

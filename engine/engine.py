@@ -90,9 +90,7 @@ class SpecEngine:
         self.vocab_size = self.pair.vocab_size
         slots, self.max_model_len = config.max_num_seqs, config.max_model_len
         self.max_k = config.max_num_speculative_tokens if self.pair.draft is not None else 0
-        # Slack past max_model_len: a rectangular verify writes k + 1 columns from each row's pending token,
-        # and rows near the end of their context fill the columns past their budget with padding.
-        pool_len = self.max_model_len + self.max_k + 1
+        pool_len = EngineConfig.token_pool_length(self.max_model_len, self.max_k)  # slack for a verify's k + 1
         att = config.attention
         dev = next(self.pair.target.parameters()).device
         self.block_size = config.block_size

@@ -125,7 +125,7 @@ def _check_head(model: torch.nn.Module, vocab_size: int, role: str) -> None:
 
 
 def load_model_pair(cfg: EngineConfig) -> ModelPair:
-    # exspec.config.resolve() has already turned a .gguf into its converted directory; a caller that builds an
+    # exspec.cli.settings.resolve() has already turned a .gguf into its converted directory; a caller that builds an
     # EngineConfig itself may still hand one here (a directory passes through unchanged)
     target_dir = resolve_model_path(Path(cfg.model))
     target = _load_model(target_dir, "target model", cfg)

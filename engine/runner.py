@@ -141,11 +141,9 @@ class ModelRunner:
 
 
 def _position_limit(config) -> int | None:
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    from exspec.engine.config import position_limit_of  # (imported here: one definition of the keys)
+
+    return position_limit_of(config)
 
 
 def resolve_attention(name: str, device: torch.device, attn_implementation: str) -> backends.AttentionBackend | None:

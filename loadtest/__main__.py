@@ -37,7 +37,7 @@ from exspec.data.reference import (
     write_reference,
 )
 from exspec.loadtest.report import format_table, summarize
-from exspec.loadtest.runner import LoadConfig, LoadTestError, first_model, run_load
+from exspec.loadtest.runner import FLAG_FIELDS, LoadConfig, LoadTestError, first_model, run_load
 
 
 def _rate(text: str) -> float:
@@ -52,19 +52,24 @@ def _rate(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m exspec.loadtest", description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's /v1 URL (this machine only)")
+    # LoadConfig's fields (FLAG_FIELDS) take their defaults from it, written once there
+    p.add_argument("--base-url", default=LoadConfig.base_url,
+                   help=f"the server's /v1 URL, this machine only (default: {LoadConfig.base_url})")
     p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
-    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--api-key", default=LoadConfig.api_key, help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default=LoadConfig.endpoint)
     p.add_argument("--dataset", choices=["specbench", "mtbench", "random"], default="specbench",
                    help="SpecBench or MT-Bench turns[0], or random prompts (default: specbench)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each request (default: 128)")
     p.add_argument("--random-input-len", type=int, default=128, help="random dataset: prompt tokens (words without a tokenizer)")
     p.add_argument("--random-output-len", type=int, default=128, help="random dataset: max_tokens, with ignore_eos")
-    p.add_argument("--request-rate", type=_rate, default=float("inf"), help="Poisson arrivals, requests/s (default: inf, all at once)")
-    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no cap)")
-    p.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy")
+    p.add_argument("--request-rate", type=_rate, default=LoadConfig.request_rate,
+                   help=f"Poisson arrivals, requests/s (default: {LoadConfig.request_rate}: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=LoadConfig.max_concurrency,
+                   help="requests in flight at most (default: no cap)")
+    p.add_argument("--temperature", type=float, default=LoadConfig.temperature,
+                   help=f"default {LoadConfig.temperature:g}: greedy")
     p.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS (vLLM extension)")
     p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory: prompts are sent as token ids")
     p.add_argument("--chat-template", action="store_true", help="with a tokenizer: prompts as a user turn in its chat template")
@@ -74,9 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write-reference", type=Path, default=None,
                    help="record this run's prompts and greedy output ids as a reference JSONL (needs token-id "
                         "prompts: --tokenizer; run against a server started with --num-speculative-tokens 0)")
-    p.add_argument("--seed", type=int, default=0, help="arrival times and random prompts")
-    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request (default: 300)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole test (default: 1800)")
+    p.add_argument("--seed", type=int, default=LoadConfig.seed, help="arrival times and random prompts")
+    p.add_argument("--request-timeout", type=float, default=LoadConfig.request_timeout,
+                   help=f"seconds per request (default: {LoadConfig.request_timeout:g})")
+    p.add_argument("--timeout", dest="total_timeout", type=float, default=LoadConfig.total_timeout,
+                   help=f"seconds for the whole test (default: {LoadConfig.total_timeout:g})")
     p.add_argument("--output", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -197,20 +204,8 @@ async def _main(args) -> int:
         requests = build_requests(args, tokenizer)
         ignore_eos = args.ignore_eos or args.dataset == "random"
     model = args.model or await first_model(args.base_url, args.api_key)
-    cfg = LoadConfig(
-        base_url=args.base_url,
-        model=model,
-        api_key=args.api_key,
-        endpoint=args.endpoint,
-        request_rate=args.request_rate,
-        max_concurrency=args.max_concurrency,
-        temperature=args.temperature,
-        ignore_eos=ignore_eos,
-        return_token_ids=greedy_check,
-        seed=args.seed,
-        request_timeout=args.request_timeout,
-        total_timeout=args.timeout,
-    )
+    cfg = LoadConfig(model=model, ignore_eos=ignore_eos, return_token_ids=greedy_check,
+                     **{name: getattr(args, name) for name in FLAG_FIELDS})
     results, duration = await run_load(requests, cfg, progress=not args.no_progress)
     metrics = summarize(results, duration)
     header = {

@@ -22,8 +22,8 @@ from exspec.errors import LoadTestError
 
 @dataclass(frozen=True)
 class LoadConfig:
-    base_url: str  # http://127.0.0.1:8000/v1
-    model: str
+    model: str  # the model name sent (default: the first of /v1/models)
+    base_url: str = "http://127.0.0.1:8000/v1"  # the server's /v1 URL, on this machine
     api_key: str | None = None
     endpoint: str = "completions"  # "completions" | "chat"
     request_rate: float = float("inf")  # requests/s of a Poisson process; inf: all at once
@@ -45,6 +45,12 @@ class LoadConfig:
             raise LoadTestError(f"--endpoint must be completions or chat, got {self.endpoint!r}")
         if self.request_timeout <= 0 or self.total_timeout <= 0:
             raise LoadTestError("--request-timeout and --timeout must be > 0")
+
+
+# The LoadConfig fields that are flags of `python -m exspec.loadtest` of the same name (`--x-y`; `--timeout` is
+# total_timeout), whose defaults the parser takes from LoadConfig: one mapping from the flags to the config.
+FLAG_FIELDS = ("base_url", "api_key", "endpoint", "request_rate", "max_concurrency", "temperature", "seed",
+               "request_timeout", "total_timeout")
 
 
 def check_loopback(base_url: str) -> None:

@@ -1,31 +1,50 @@
 """exspec scheduler: asyncio request queue feeding the EXSPEC sliding pool of same-length groups.
 
-`SamplingParams` is re-exported: what a request asks for is part of the scheduler's interface to the server."""
+`SamplingParams` is re-exported: what a request asks for is part of the scheduler's interface to the server.
+The public names are imported on first use (PEP 562), so that the torch-free types.py (SchedulerConfig, whose
+defaults the command line's settings read) is imported without torch."""
 
-from exspec.engine.params import SamplingParams
-from exspec.scheduler.async_scheduler import AsyncScheduler, RequestStream
-from exspec.scheduler.core import EngineProtocol, SchedulerCore
-from exspec.scheduler.offline import OfflineResult, RunSummary, generate_offline
-from exspec.scheduler.policies import SpeculationPolicy
-from exspec.scheduler.policy import BatchChoice, Candidate, choose_batch
-from exspec.scheduler.types import QueueFullError, RequestOutput, SchedulerClosedError, SchedulerConfig, StepStats
+from __future__ import annotations
 
-__all__ = [
-    "AsyncScheduler",
-    "BatchChoice",
-    "Candidate",
-    "EngineProtocol",
-    "OfflineResult",
-    "QueueFullError",
-    "RequestOutput",
-    "RequestStream",
-    "RunSummary",
-    "SchedulerClosedError",
-    "SchedulerConfig",
-    "SamplingParams",
-    "SchedulerCore",
-    "SpeculationPolicy",
-    "StepStats",
-    "choose_batch",
-    "generate_offline",
-]
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "AsyncScheduler": "exspec.scheduler.async_scheduler",
+    "BatchChoice": "exspec.scheduler.policy",
+    "Candidate": "exspec.scheduler.policy",
+    "EngineProtocol": "exspec.scheduler.core",
+    "OfflineResult": "exspec.scheduler.offline",
+    "QueueFullError": "exspec.scheduler.types",
+    "RequestOutput": "exspec.scheduler.types",
+    "RequestStream": "exspec.scheduler.async_scheduler",
+    "RunSummary": "exspec.scheduler.offline",
+    "SchedulerClosedError": "exspec.scheduler.types",
+    "SchedulerConfig": "exspec.scheduler.types",
+    "SamplingParams": "exspec.engine.params",
+    "SchedulerCore": "exspec.scheduler.core",
+    "SpeculationPolicy": "exspec.scheduler.policies",
+    "StepStats": "exspec.scheduler.types",
+    "choose_batch": "exspec.scheduler.policy",
+    "generate_offline": "exspec.scheduler.offline",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from exspec.engine.params import SamplingParams
+    from exspec.scheduler.async_scheduler import AsyncScheduler, RequestStream
+    from exspec.scheduler.core import EngineProtocol, SchedulerCore
+    from exspec.scheduler.offline import OfflineResult, RunSummary, generate_offline
+    from exspec.scheduler.policies import SpeculationPolicy
+    from exspec.scheduler.policy import BatchChoice, Candidate, choose_batch
+    from exspec.scheduler.types import QueueFullError, RequestOutput, SchedulerClosedError, SchedulerConfig, StepStats

@@ -1,17 +1,24 @@
-"""The scheduler's public contract: its configuration, the deltas a request streams, and step statistics."""
+"""The scheduler's public contract: its configuration, the deltas a request streams, and step statistics.
+
+SchedulerConfig's defaults are the command line's (exspec.cli.settings reads them here); torch-free at import."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from exspec.engine.config import check_num_speculative_tokens
 from exspec.errors import ExspecError, QueueFullError, SchedulerClosedError  # noqa: F401 (re-exported)
 from exspec.scheduler import policies
 
 
+DEFAULT_BATCH_SIZE = 8  # B when none is given
+POOL_FACTOR = 4  # W = POOL_FACTOR x B when no pool size is given (serve, generate; the bench's --pool-factor)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_batch_size: int = 8  # B: sequences in one speculative step
-    pool_size: int = 32  # W >= B: live (prefilled, running) sequences the pool holds
+    max_batch_size: int = DEFAULT_BATCH_SIZE  # B: sequences in one speculative step
+    pool_size: int = POOL_FACTOR * DEFAULT_BATCH_SIZE  # W >= B: live (prefilled, running) sequences the pool holds
     max_waiting: int = 256  # requests queued before admission; beyond it submit() raises QueueFullError
     num_speculative_tokens: int = 4  # k (fixed policy) or the largest k (adaptive policy)
     speculation: str = "auto"  # a speculation policy in scheduler/policies/ (policies.names()): auto | fixed | adaptive
@@ -29,8 +36,8 @@ class SchedulerConfig:
             bad("pool_size", f">= max_batch_size ({self.max_batch_size})", self.pool_size)
         if self.max_waiting < 1:
             bad("max_waiting", ">= 1", self.max_waiting)
-        if not 0 <= self.num_speculative_tokens <= 32:
-            bad("num_speculative_tokens", "in [0, 32]", self.num_speculative_tokens)
+        if bad_k := check_num_speculative_tokens(self.num_speculative_tokens, "num_speculative_tokens"):
+            raise ExspecError(bad_k)
         if self.speculation not in policies.names():
             bad("speculation", f"one of {', '.join(policies.names())}", self.speculation)
         if self.min_group_size < 0:

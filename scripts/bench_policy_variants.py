@@ -23,7 +23,8 @@ torch.set_num_threads(int(sys.argv[3]) if len(sys.argv) > 3 else 1)
 demo = Path.home() / ".cache/exspec/demo"
 B = int(sys.argv[1]) if len(sys.argv) > 1 else 8
 reps = int(sys.argv[2]) if len(sys.argv) > 2 else 5
-cfg = BenchConfig(model=demo / "target", draft_model=demo / "draft", methods=("target-ar", "exspec"), batch_sizes=(B,),
+cfg = BenchConfig(engine=EngineConfig(model=demo / "target", draft_model=demo / "draft",
+                                      max_num_speculative_tokens=SchedulerConfig().num_speculative_tokens), methods=("target-ar", "exspec"), batch_sizes=(B,),
                   num_prompts=32, max_prompt_len=1024, max_tokens=64, chat_template=True)
 bench = Bench(cfg, progress=False)
 prompts = bench.prompts

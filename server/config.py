@@ -1,4 +1,4 @@
-"""What the HTTP server needs, resolved once from `exspec.config.Settings`: names, the API key, the shutdown and
+"""What the HTTP server needs, resolved once from `exspec.cli.settings.Settings`: names, the API key, the shutdown and
 connection timeouts, and every limit a request is held to. A frozen dataclass: nothing changes it later."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class ServerConfig:
             bad("max_stop_token_ids", f"in [0, {INT64_MAX}]", self.max_stop_token_ids)
 
 
-# ServerConfig fields that are also exspec.config.Settings fields (same name, same meaning).
+# ServerConfig fields that are also exspec.cli.settings.Settings fields (same name, same meaning).
 SETTINGS_FIELDS = (
     "served_model_name", "api_key", "shutdown_timeout", "max_body_bytes", "body_read_timeout",
     "keep_alive_timeout", "max_n", "max_prompts", "max_prompt_chars", "max_messages", "max_stop",
@@ -54,7 +54,7 @@ SETTINGS_FIELDS = (
 
 
 def server_config(settings, **overrides) -> ServerConfig:
-    """`exspec.config.Settings` (or anything with those attributes) -> ServerConfig; `overrides` win."""
+    """`exspec.cli.settings.Settings` (or anything with those attributes) -> ServerConfig; `overrides` win."""
     values = {name: getattr(settings, name) for name in SETTINGS_FIELDS if hasattr(settings, name)}
     values.update(overrides)
     return ServerConfig(**values)

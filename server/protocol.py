@@ -16,7 +16,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+from exspec.server.config import INT64_MAX
+
+INT64_MIN = -INT64_MAX - 1
 
 
 def _no_lone_surrogates(text: str) -> str:

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from exspec.config import ATTENTION_DEFAULT
+from exspec.engine.config import ATTENTION_DEFAULT
 from exspec.engine.kv_cache import ForwardMeta
 from exspec.registry import Registry
 
@@ -63,7 +63,7 @@ def available_names(device: torch.device) -> tuple[str, ...]:
 
 
 def default_backend(device: torch.device) -> str:
-    """exspec.config.ATTENTION_DEFAULT for the device type (`triton` on CUDA, `sdpa` on the CPU: measured
+    """exspec.engine.config.ATTENTION_DEFAULT for the device type (`triton` on CUDA, `sdpa` on the CPU: measured
     fastest there, docs/BENCHMARKS.md), `reference` where that one cannot run."""
     preferred = ATTENTION_DEFAULT.get(device.type, "reference")
     return preferred if BACKENDS.get(preferred).available(device) else "reference"

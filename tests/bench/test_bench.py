@@ -245,16 +245,18 @@ def test_fixed_ks_expand_exspec_fixed_into_one_method_per_k():
     from pathlib import Path
 
     from exspec.bench.runner import BenchConfig
+    from exspec.engine import EngineConfig
     from exspec.errors import BenchError
 
-    cfg = BenchConfig(model=Path("t"), draft_model=Path("d"), methods=("target-ar", "exspec-fixed", "exspec"),
-                      batch_sizes=(2, 1), fixed_ks=(4, 0, 2, 2))
+    engine = EngineConfig(model=Path("t"), draft_model=Path("d"))
+    cfg = BenchConfig(engine=engine, methods=("target-ar", "exspec-fixed", "exspec"), batch_sizes=(2, 1),
+                      fixed_ks=(4, 0, 2, 2))
     assert cfg.points() == [
         ("target-ar", 1), ("exspec-fixed-k0", 1), ("exspec-fixed-k2", 1), ("exspec-fixed-k4", 1), ("exspec", 1),
         ("target-ar", 2), ("exspec-fixed-k0", 2), ("exspec-fixed-k2", 2), ("exspec-fixed-k4", 2), ("exspec", 2),
     ]
     with pytest.raises(BenchError, match="--fixed-ks"):
-        BenchConfig(model=Path("t"), draft_model=Path("d"), fixed_ks=(33,))
+        BenchConfig(engine=engine, fixed_ks=(33,))
 
 
 def test_fixed_ks_rows_and_the_default_policy_against_the_best(pair, tmp_path):
@@ -277,3 +279,40 @@ def test_fixed_ks_rows_and_the_default_policy_against_the_best(pair, tmp_path):
     best = max(fixed, key=fixed.get)
     assert f"| 1 | {best} | {rows['exspec']['tokens_per_s'] / fixed[best]:.2f}x |" in md
     assert "The default policy's steps" in md
+
+
+def test_exspec_num_speculative_tokens_sets_k_of_a_real_run(pair, tmp_path, monkeypatch):
+    """`EXSPEC_NUM_SPECULATIVE_TOKENS=2 exspec bench` runs its draft methods at k = 2 (issue 24)."""
+    monkeypatch.setenv("EXSPEC_NUM_SPECULATIVE_TOKENS", "2")
+    target, draft = pair
+    rc = main(["bench", "--model", str(target), "--draft-model", str(draft), "--num-prompts", "2", "--max-tokens", "4",
+               "--batch-sizes", "1", "--methods", "target-ar,exspec-fixed,hf-assisted", "--repeats", "1",
+               "--max-prompt-len", "64", "--no-warmup", "--no-progress", "--output", str(tmp_path), "--device", "cpu"])
+    assert rc == 0
+    rows = {r["method"]: r for r in json.loads((tmp_path / "results.json").read_text())}
+    assert rows["exspec-fixed"]["num_speculative_tokens"] == rows["hf-assisted"]["num_speculative_tokens"] == 2
+    assert rows["target-ar"]["num_speculative_tokens"] == 0
+    assert "compile off" in (tmp_path / "results.md").read_text()
+
+
+def test_the_resolved_engine_config_reaches_every_engine_method(pair, monkeypatch):
+    """--compile (and every other engine setting) reaches the SpecEngine of target-ar, exspec-mixed, exspec-fixed
+    and exspec; each point sets only its pool, k, length and the mixed path."""
+    from dataclasses import replace
+
+    import exspec.bench.runner as runner
+    from exspec.engine import EngineConfig
+
+    target, draft = pair
+    engine = EngineConfig(model=target, draft_model=draft, max_num_speculative_tokens=3, compile=True, gemm="default",
+                          kv_cache_memory=2**24, attention="reference")
+    bench = runner.Bench(runner.BenchConfig(engine=engine, num_prompts=2, max_tokens=4, max_prompt_len=64),
+                         progress=False)
+    built = []
+    monkeypatch.setattr(runner, "SpecEngine", lambda config, pair: built.append(config))
+    for method, b in (("target-ar", 1), ("exspec-mixed", 3), ("exspec-fixed", 2), ("exspec", 2)):
+        bench._engine_runner(method, b)
+        k = 0 if method == "target-ar" else 3
+        assert built.pop() == replace(engine, draft_model=None if k == 0 else draft, max_num_speculative_tokens=k,
+                                      max_num_seqs=bench._pool_size(method, b), max_model_len=bench.max_model_len,
+                                      force_mixed=method == "exspec-mixed")

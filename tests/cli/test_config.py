@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from exspec.config import Settings, load_settings, position_limit, resolve
+from exspec.cli.settings import Settings, load_settings, position_limit, resolve
 from exspec.errors import ConfigError
 
 
@@ -73,10 +73,16 @@ def test_every_command_shares_the_defaults(monkeypatch):
 
 
 def test_position_limit_reads_every_known_key(tmp_path):
+    from exspec.engine.config import DEFAULT_MAX_MODEL_LEN, POSITION_KEYS
+
     assert position_limit(_model(tmp_path / "a", n_positions=64)) == 64
     assert position_limit(_model(tmp_path / "b", max_position_embeddings=4096)) == 4096
     assert position_limit(_model(tmp_path / "c")) is None
     assert position_limit(tmp_path / "missing") is None
+    for i, key in enumerate(POSITION_KEYS):
+        assert position_limit(_model(tmp_path / f"k{i}", text_config={key: 100 + i})) == 100 + i
+    # no limit declared and none given: the engine's fallback
+    assert resolve(Settings(), tmp_path / "c", None).engine.max_model_len == DEFAULT_MAX_MODEL_LEN
 
 
 def test_version_and_fast_help(capsys):

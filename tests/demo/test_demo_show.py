@@ -24,7 +24,7 @@ def _show(capsys, *argv: str) -> tuple[dict[str, str], str]:
     return {k: v.strip() for k, v in fields.items()}, captured.err
 
 
-def test_show_before_and_after_a_build(tmp_path, capsys):
+def test_show_before_and_after_a_build(tmp_path, capsys, monkeypatch):
     from transformers import AutoTokenizer
 
     out = tmp_path / "pair"
@@ -43,6 +43,17 @@ def test_show_before_and_after_a_build(tmp_path, capsys):
 
     fields, err = _show(capsys, "--out", str(out), "--seed", "1")  # another seed is another pair
     assert fields["built"] == "no" and "seed 0" in err and "seed 1" in err
+
+    # --demo / EXSPEC_DEMO pick the pair as for serve (Settings): another scale is another pair
+    monkeypatch.setenv("EXSPEC_DEMO", "tiny")
+    assert cli.main(["demo-models", "--show", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "scale 'test' is there" in err and "scale 'tiny'" in err
+    assert cli.main(["demo-models", "--show", "--out", str(out), "--demo", "smollm2"]) == 0  # a flag wins
+    assert "scale 'smollm2'" in capsys.readouterr().err
+    monkeypatch.setenv("EXSPEC_DEMO", "huge")
+    assert cli.main(["demo-models", "--show", "--out", str(out)]) == 2
+    assert "--demo / EXSPEC_DEMO: demo must be one of smollm2, tiny, got 'huge'" in capsys.readouterr().err
 
 
 def test_show_uses_the_default_cache_dir(tmp_path, capsys):

@@ -106,7 +106,7 @@ def test_the_service_selects_the_pods_on_a_named_port(rendered):
 def test_every_exspec_variable_is_a_server_setting(rendered):
     """A misspelt EXSPEC_* variable would be ignored by the server without a word: each one must name a
     Settings field, once."""
-    from exspec.config import Settings
+    from exspec.cli.settings import Settings
 
     _, objs = rendered
     names = [e["name"] for e in container(objs)["env"]]

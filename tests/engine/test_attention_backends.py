@@ -13,7 +13,7 @@ from tests.engine.test_kv_cache import _poison
 from tests.support.driver import admit, prefill, run_to_end, step
 from tests.support.models import random_prompts
 
-from exspec.config import attention_backends
+from exspec.cli.settings import attention_backends
 from exspec.engine import SamplingParams, backends
 from exspec.engine.kv_cache import ForwardMeta, PagedKVCache
 from exspec.engine.runner import resolve_attention

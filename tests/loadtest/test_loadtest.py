@@ -233,3 +233,15 @@ def test_arrivals_and_percentiles():
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([5.0], 99) == 5.0
     assert percentile(list(range(101)), 90) == 90
+
+
+def test_the_flags_map_onto_load_config_with_its_defaults():
+    """One mapping from the flags to LoadConfig (FLAG_FIELDS), whose defaults the parser takes (issue 24)."""
+    from exspec.loadtest.__main__ import build_parser
+    from exspec.loadtest.runner import FLAG_FIELDS, LoadConfig
+
+    args = build_parser().parse_args([])
+    assert {n: getattr(args, n) for n in FLAG_FIELDS} == {n: getattr(LoadConfig, n) for n in FLAG_FIELDS}
+    args = build_parser().parse_args(["--timeout", "5", "--request-rate", "2", "--endpoint", "chat"])
+    cfg = LoadConfig(model="m", **{n: getattr(args, n) for n in FLAG_FIELDS})
+    assert (cfg.total_timeout, cfg.request_rate, cfg.endpoint, cfg.base_url) == (5.0, 2.0, "chat", LoadConfig.base_url)

@@ -63,3 +63,40 @@ def test_the_wheel_has_one_top_level_name(tmp_path):
         assert f"exspec/{sub}/__init__.py" in names
     assert "exspec/data/spec_bench_questions.jsonl" in names and "exspec/data/mt_bench_questions.jsonl" in names
     assert not [n for n in names if n.startswith("exspec/") and "/tests/" in n]
+
+
+def test_every_command_s_flags_import_no_torch():
+    """`exspec <command> --help` builds its parser without torch or transformers (seconds to import): the settings
+    resolver (cli/settings.py) reads its defaults and limits from torch-free modules of the engine, the scheduler,
+    the bench and the demo."""
+    code = ("import sys\nfrom exspec.cli.main import COMMANDS, build_parser\n"
+            "for c in COMMANDS: build_parser(c)\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[]"
+
+
+# Each default and range written once (issue 24): patterns that wrote one of them again, and the one file (relative
+# to the repository) allowed to hold each. Tests (fakes) are not scanned.
+WRITTEN_ONCE = {
+    r"MAX_SPECULATIVE_TOKENS = \d+|(<=|le=)\s*32\b|\[[01], 32\]": "engine/config.py",  # k's range
+    r"num_speculative_tokens\b[^\n]*(=|default:?)\s*4\b": "scheduler/types.py",  # default k
+    r"max_model_len[^\n]*\b2048\b|MAX_MODEL_LEN = \d+": "engine/config.py",  # max_model_len's fallback
+    r'"max_sequence_length"': "engine/config.py",  # the position-limit keys
+    r"max_model_len \+ [^\n]*\+ 1\b": "engine/config.py",  # a slot's token-buffer length
+    r'"cuda": 0\.9': "engine/config.py",  # the KV memory default
+    r"2\*\*63 - 1": "server/config.py",  # the largest integer a request field may hold
+    r"= 2 \* 1024 \* 1024": "server/config.py",  # the server's limits (Settings reads ServerConfig's)
+    r"POOL_FACTOR = \d+|\b4 \* (self\.)?max_batch_size|pool_factor: int = 4": "scheduler/types.py",  # W = 4 x B
+}
+
+
+@pytest.mark.parametrize("pattern", sorted(WRITTEN_ONCE))
+def test_each_default_is_written_once(pattern):
+    import re
+
+    hits = []
+    for folder in ("engine", "scheduler", "server", "loadtest", "cli", "bench", "demo", "data", "exspec"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            hits += [str(path.relative_to(ROOT)) for line in path.read_text().splitlines() if re.search(pattern, line)]
+    assert hits == [WRITTEN_ONCE[pattern]], hits

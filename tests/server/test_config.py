@@ -1,4 +1,4 @@
-"""ServerConfig is resolved once from exspec.config.Settings; every setting is a flag, an EXSPEC_* variable and a row
+"""ServerConfig is resolved once from cli/settings.py Settings; every setting is a flag, an EXSPEC_* variable and a row
 of docs/SERVER.md with its default."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from exspec.cli.flags import FLAGS
 from exspec.server.config import SETTINGS_FIELDS, ServerConfig, server_config
-from exspec.config import Settings as ServeSettings
+from exspec.cli.settings import Settings as ServeSettings
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "SERVER.md").read_text()
 

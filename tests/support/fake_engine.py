@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from exspec.engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from exspec.engine.params import SamplingParams
 from exspec.engine.types import PrefillBatch, SeqOutput, StepBatch, StepOutput
 from exspec.errors import CapacityError, InvalidRequestError
@@ -50,8 +51,9 @@ class FakeEngine:
         self.num_slots = num_slots
         self._free = list(range(num_slots))
         self.block_size = block_size
-        # Default: every slot can hold a whole sequence (largest k + 1 positions of slack past max_model_len).
-        self.num_blocks = num_blocks if num_blocks is not None else num_slots * -(-(max_model_len + 33) // block_size)
+        # Default: every slot can hold a whole sequence (the engine's slot length at the largest k).
+        pool_len = EngineConfig.token_pool_length(max_model_len, MAX_SPECULATIVE_TOKENS)
+        self.num_blocks = num_blocks if num_blocks is not None else num_slots * -(-pool_len // block_size)
         self.withheld = 0
         self.eos_positions = frozenset(eos_positions)
         self.seqs: dict[int, FakeSeq] = {}

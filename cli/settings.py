@@ -1,8 +1,11 @@
-"""Configuration, resolved once: `Settings` (flags and `EXSPEC_*` variables, pydantic at the edge) and
-`resolve`, which derives the engine's and the scheduler's frozen configs from them and from the models' own
-configs. `exspec serve`, `exspec generate` and `exspec bench` all go through here, so they share every default.
+"""The command line's settings, resolved once: `Settings` (flags and `EXSPEC_*` variables, pydantic at the edge)
+and `resolve`, which derives the engine's and the scheduler's frozen configs from them and from the models' own
+configs. `exspec serve`, `exspec generate`, `exspec bench` and `exspec demo-models` all go through here, so they
+share every flag, variable and check. Defaults and ranges are written once, in the layer that owns them (the
+engine's limits in exspec.engine.config, the scheduler's defaults in SchedulerConfig, the demo pairs in
+exspec.demo.recipe), and read from there.
 
-Kept free of torch at import time, so that `exspec --help` stays fast.
+Kept free of torch at import time (so are the modules it reads them from), so that `exspec --help` stays fast.
 """
 
 from __future__ import annotations
@@ -13,29 +16,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from exspec.demo.recipe import DEFAULT_DEMO, DEMO_PAIRS
+from exspec.engine.config import DEFAULT_MAX_MODEL_LEN, GEMM_MODES, MAX_SPECULATIVE_TOKENS, position_limit_of
+from exspec.engine.config import DTYPES as ENGINE_DTYPES
+from exspec.scheduler.types import POOL_FACTOR, SchedulerConfig
+from exspec.server.config import INT64_MAX, ServerConfig
 
 from exspec.errors import ConfigError
 from exspec.registry import listed
 
 if TYPE_CHECKING:
     from exspec.engine.config import EngineConfig
-    from exspec.scheduler.types import SchedulerConfig
 
-DEMO_PAIRS = ("smollm2", "tiny")  # the built-in pairs (exspec.demo.recipe's scales a user may pick)
-DEFAULT_DEMO = "smollm2"  # SmolLM2-135M-Instruct and a draft distilled from it
-DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+DTYPES = ("auto", *ENGINE_DTYPES)
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 SPECULATION_MODES = listed("exspec.scheduler.policies")  # scheduler/policies/, read without importing torch
-DEFAULT_SPECULATION = "auto"  # the scheduler's own default (SchedulerConfig.speculation): k from modelled goodput
-# The KV pool's default share of the memory free once the weights are loaded (--kv-cache-memory): most of a
-# GPU (vLLM's --gpu-memory-utilization is 0.9 of the whole GPU), a modest part of the RAM a CPU host still has
-# available (its other processes keep the rest; the pool's pages are touched at start-up).
-KV_MEMORY_DEFAULT = {"cuda": 0.9, "cpu": 0.25}
-# The attention backend "auto" picks per device type (falling back to "reference" where it cannot run).
-ATTENTION_DEFAULT = {"cuda": "triton", "cpu": "sdpa"}
-# config.json keys that declare a model's position limit, in the order they are looked for.
-POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+DEFAULT_SPECULATION = SchedulerConfig.speculation  # the scheduler's own default: k from modelled goodput
 
 
 class Settings(BaseSettings):
@@ -52,7 +51,8 @@ class Settings(BaseSettings):
     device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bfloat16 on cuda, float32 on cpu) or one of DTYPES
     max_model_len: int | None = Field(default=None, ge=2)  # default: the smaller position limit of the two models
-    num_speculative_tokens: int = Field(default=4, ge=0, le=32)  # k (the largest k under an adaptive policy)
+    num_speculative_tokens: int = Field(  # k (the largest k under an adaptive policy)
+        default=SchedulerConfig.num_speculative_tokens, ge=0, le=MAX_SPECULATIVE_TOKENS)
     attention_backend: str = "auto"  # auto or one of attention_backends(): how attention reads the KV blocks
     kv_cache_memory: str | None = None  # KV pool: a fraction of the memory free after the weights, or bytes ("4GiB")
     gemm: str = "auto"  # auto | packed | default: oneDNN-prepacked linears for multi-row CPU forwards
@@ -60,26 +60,26 @@ class Settings(BaseSettings):
     compile: bool = False
     # the scheduler
     speculation: str = DEFAULT_SPECULATION
-    max_batch_size: int = Field(default=8, ge=1, le=4096)  # B: sequences per speculative step
-    pool_size: int | None = Field(default=None, ge=1, le=65536)  # W: live sequences (KV slots); default 4 x B
-    max_waiting: int = Field(default=256, ge=1)  # queued requests beyond which the server answers 429
+    max_batch_size: int = Field(default=SchedulerConfig.max_batch_size, ge=1, le=4096)  # B: sequences per step
+    pool_size: int | None = Field(default=None, ge=1, le=65536)  # W: live sequences (KV slots); default POOL_FACTOR x B
+    max_waiting: int = Field(default=SchedulerConfig.max_waiting, ge=1)  # queued beyond this: the server's 429
     # the server
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
-    shutdown_timeout: float = Field(default=30.0, ge=0)  # seconds running requests get to finish on SIGTERM
+    shutdown_timeout: float = Field(default=ServerConfig.shutdown_timeout, ge=0)  # seconds to finish on SIGTERM
     log_level: str = "info"
     # the server's limits (exspec.server.config.ServerConfig; docs/SERVER.md lists them all)
-    max_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1, le=2**63 - 1)  # larger bodies: 413
-    body_read_timeout: float = Field(default=30.0, gt=0)  # seconds to send a whole body, else 408
-    keep_alive_timeout: float = Field(default=5.0, gt=0)  # idle connection (or unfinished headers): closed
-    max_n: int = Field(default=16, ge=1, le=2**63 - 1)  # choices per request (n, best_of)
-    max_prompts: int = Field(default=64, ge=1, le=2**63 - 1)  # prompts in one completions request
-    max_prompt_chars: int = Field(default=1_000_000, ge=1, le=2**63 - 1)  # per prompt / per chat request
-    max_messages: int = Field(default=1024, ge=1, le=2**63 - 1)  # messages per chat request
-    max_stop: int = Field(default=16, ge=1, le=2**63 - 1)  # stop strings per request
-    max_stop_chars: int = Field(default=1024, ge=1, le=2**63 - 1)  # characters per stop string
-    max_stop_token_ids: int = Field(default=256, ge=0, le=2**63 - 1)  # stop_token_ids per request
+    max_body_bytes: int = Field(default=ServerConfig.max_body_bytes, ge=1, le=INT64_MAX)  # larger bodies: 413
+    body_read_timeout: float = Field(default=ServerConfig.body_read_timeout, gt=0)  # else 408
+    keep_alive_timeout: float = Field(default=ServerConfig.keep_alive_timeout, gt=0)  # idle: closed
+    max_n: int = Field(default=ServerConfig.max_n, ge=1, le=INT64_MAX)  # choices per request (n, best_of)
+    max_prompts: int = Field(default=ServerConfig.max_prompts, ge=1, le=INT64_MAX)  # per completions request
+    max_prompt_chars: int = Field(default=ServerConfig.max_prompt_chars, ge=1, le=INT64_MAX)  # per prompt
+    max_messages: int = Field(default=ServerConfig.max_messages, ge=1, le=INT64_MAX)  # messages per chat request
+    max_stop: int = Field(default=ServerConfig.max_stop, ge=1, le=INT64_MAX)  # stop strings per request
+    max_stop_chars: int = Field(default=ServerConfig.max_stop_chars, ge=1, le=INT64_MAX)  # characters per stop string
+    max_stop_token_ids: int = Field(default=ServerConfig.max_stop_token_ids, ge=0, le=INT64_MAX)
 
     @field_validator("kv_cache_memory")
     @classmethod
@@ -87,28 +87,29 @@ class Settings(BaseSettings):
         parse_kv_cache_memory(value)
         return value
 
+    @field_validator("device", "dtype", "attention_backend", "gemm", "speculation", "log_level", "demo")
+    @classmethod
+    def _one_of(cls, value: str, info: ValidationInfo) -> str:
+        """A named choice; the error names the flag and its variable (load_settings), and the choices."""
+        field = info.field_name
+        if field == "device":
+            if not (value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit())):
+                raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {value!r}")
+        elif field == "attention_backend":
+            if value != "auto" and value not in attention_backends():
+                raise ValueError(f"attention_backend must be auto or one of {', '.join(attention_backends())}, "
+                                 f"got {value!r}")
+        else:
+            choices = {"dtype": DTYPES, "gemm": GEMM_MODES, "speculation": SPECULATION_MODES, "demo": DEMO_PAIRS,
+                       "log_level": LOG_LEVELS}[field]
+            if (value.lower() if field == "log_level" else value) not in choices:
+                raise ValueError(f"{field} must be one of {', '.join(choices)}, got {value!r}")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if self.pool_size is not None and self.pool_size < self.max_batch_size:
             raise ValueError(f"pool_size must be >= max_batch_size ({self.max_batch_size}), got {self.pool_size}")
-        cuda_n = self.device.startswith("cuda:") and self.device[5:].isdigit()
-        if not (self.device in ("auto", "cpu", "cuda") or cuda_n):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.attention_backend != "auto" and self.attention_backend not in attention_backends():
-            raise ValueError(f"attention_backend must be auto or one of {', '.join(attention_backends())}, "
-                             f"got {self.attention_backend!r}")
-        if self.gemm not in ("auto", "packed", "default"):
-            raise ValueError(f"gemm must be auto, packed or default, got {self.gemm!r}")
-        if self.speculation not in SPECULATION_MODES:
-            raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
-        if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
-            raise ValueError(
-                f"log_level must be critical, error, warning, info, debug or trace, got {self.log_level!r}"
-            )
-        if self.demo not in DEMO_PAIRS:
-            raise ValueError(f"demo must be one of {', '.join(DEMO_PAIRS)}, got {self.demo!r}")
         if self.draft_model is not None and self.model is None:
             raise ValueError("draft_model needs model (without --model the built-in demo pair is used)")
         return self
@@ -119,7 +120,7 @@ class Settings(BaseSettings):
 
     @property
     def resolved_pool_size(self) -> int:
-        return self.pool_size if self.pool_size is not None else 4 * self.max_batch_size
+        return self.pool_size if self.pool_size is not None else POOL_FACTOR * self.max_batch_size
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -186,11 +187,7 @@ def position_limit(model_dir: Path | None) -> int | None:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return None  # the loader reports a missing or broken config clearly
-    cfg = cfg.get("text_config", cfg)
-    for key in POSITION_KEYS:
-        if isinstance(cfg.get(key), int) and cfg[key] > 0:
-            return cfg[key]
-    return None
+    return position_limit_of(cfg.get("text_config", cfg))
 
 
 def resolve_device(device: str, dtype: str) -> tuple[str, str]:
@@ -217,7 +214,6 @@ def resolve(
     the draft."""
     from exspec.engine.config import EngineConfig
     from exspec.engine.gguf import resolve_model_path
-    from exspec.scheduler.types import SchedulerConfig
 
     k = settings.num_speculative_tokens
     if k == 0:
@@ -230,7 +226,7 @@ def resolve(
     limit = min(known.values()) if known else None
     max_len = settings.max_model_len
     if max_len is None:
-        max_len = limit if limit is not None else 2048
+        max_len = limit if limit is not None else DEFAULT_MAX_MODEL_LEN
     elif limit is not None and max_len > limit:
         which = ", ".join(f"{role} {n}" for role, n in known.items())
         raise ConfigError(f"max_model_len {max_len} exceeds the models' position limit {limit} ({which}): lower it")
