@@ -284,6 +284,7 @@ def test_random_grow_and_free_against_a_reference(seed):
         blocks.free(s)
     assert blocks.free_runs() == [(1, num_blocks)] and blocks.num_free_blocks == num_blocks
 
+
 def _engine_with_blocks(models, num_blocks: int, **overrides):
     """An engine whose pool holds exactly num_blocks blocks (kv_cache_memory in bytes)."""
     from exspec.engine.kv_cache import PagedKVCache
