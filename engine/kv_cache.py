@@ -54,8 +54,13 @@ class SlotAllocator:
 class BlockManager:
     """Block ids 1..num_blocks for both models' pools, and the device block table.
 
-    Allocation takes the block right after the slot's last one while it is free (a sequence's blocks stay
-    contiguous where possible: CPU attention then reads them as one strided view), else the lowest free id.
+    Placement keeps each sequence's blocks consecutive ids while the pool has room (CPU attention then reads
+    them as one strided view instead of gathering them), without reserving any: the free blocks are kept as
+    runs (maximal ranges of free ids). A sequence's first blocks go into the largest run, at its start when no
+    sequence ends right before it, else at its middle, leaving the sequence on its left room to grow; growth
+    takes the block right after the sequence's last one while it is free, else the end of the largest run (the
+    sequence is no longer contiguous). Every free block stays usable by any sequence. The largest run comes
+    from a max-heap with lazy entries: O(log n) amortized per allocation or freed run, no scan of the pool.
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_slots: int, max_blocks_per_seq: int,
@@ -64,11 +69,18 @@ class BlockManager:
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.block_table = torch.zeros(num_slots, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self._is_free = [False] + [True] * num_blocks  # index: block id (0, the null block, is never free)
-        self._heap = list(range(1, num_blocks + 1))  # min-heap of free ids; may hold stale (taken) entries
         self._num_free = num_blocks
+        self._run_end: dict[int, int] = {}  # first id of each free run -> its last id
+        self._run_start: dict[int, int] = {}  # last id of each free run -> its first id
+        # Max-heap of runs as (-length, last id). A run's entries claim at least its length (a run that shrinks
+        # keeps its last id and entry; a new or merged run gets a new entry); entries of gone runs are dropped
+        # when they reach the top.
+        self._heap: list[tuple[int, int]] = []
+        self._tails: set[int] = set()  # last block of each contiguous sequence that may still grow
         self._blocks: list[list[int]] = [[] for _ in range(num_slots)]  # host mirror of each table row
         self._contiguous = [True] * num_slots  # slot's blocks are consecutive ids
+        if num_blocks > 0:
+            self._add_run(1, num_blocks)
 
     @property
     def num_free_blocks(self) -> int:
@@ -91,6 +103,10 @@ class BlockManager:
     def blocks(self, slot: int) -> list[int]:
         return self._blocks[slot]
 
+    def free_runs(self) -> list[tuple[int, int]]:
+        """The free blocks as sorted (first id, last id) runs (for tests and diagnostics: O(runs))."""
+        return sorted(self._run_end.items())
+
     def grow(self, wants: list[tuple[int, int]]) -> None:
         """Give each (slot, blocks it must hold) its missing blocks, all or nothing: CapacityError before any
         change when the free blocks do not cover them all. One device write for the new table entries."""
@@ -103,40 +119,109 @@ class BlockManager:
         rows, cols, ids = [], [], []
         for slot, n in wants:
             have = self._blocks[slot]
-            while len(have) < n:
-                block = self._take(have[-1] + 1 if have else 0)
-                if have and block != have[-1] + 1:
-                    self._contiguous[slot] = False
-                rows.append(slot)
-                cols.append(len(have))
-                ids.append(block)
-                have.append(block)
+            if len(have) >= n:
+                continue
+            before = len(have)
+            self._tails.discard(have[-1] if have else NULL_BLOCK)
+            self._place(slot, have, n)
+            if self._contiguous[slot] and n < self.max_blocks_per_seq:
+                self._tails.add(have[-1])
+            rows += [slot] * (n - before)
+            cols += range(before, n)
+            ids += have[before:]
         if ids:
             dev = self.block_table.device
             self.block_table[_to(rows, dev), _to(cols, dev)] = _to(ids, dev, torch.int32)
 
     def free(self, slot: int) -> None:
-        """Return the slot's blocks; its table row goes back to the null block."""
+        """Return the slot's blocks (merged into the free runs); its table row goes back to the null block."""
         blocks = self._blocks[slot]
         if blocks:
             self.block_table[slot, : len(blocks)] = NULL_BLOCK
-        for b in blocks:
-            self._is_free[b] = True
-            heapq.heappush(self._heap, b)
+            self._tails.discard(blocks[-1])
+            ordered = blocks if self._contiguous[slot] else sorted(blocks)
+            first = prev = ordered[0]
+            for b in ordered[1:]:
+                if b != prev + 1:
+                    self._release(first, prev)
+                    first = b
+                prev = b
+            self._release(first, prev)
         self._num_free += len(blocks)
         self._blocks[slot] = []
         self._contiguous[slot] = True
 
-    def _take(self, preferred: int) -> int:
-        if 0 < preferred <= self.num_blocks and self._is_free[preferred]:
-            block = preferred  # its heap entry turns stale
-        else:
-            block = heapq.heappop(self._heap)
-            while not self._is_free[block]:
-                block = heapq.heappop(self._heap)
-        self._is_free[block] = False
-        self._num_free -= 1
-        return block
+    # ------------------------------------------------------------------ free runs
+
+    def _place(self, slot: int, have: list[int], n: int) -> None:
+        """Append ids to `have` until it holds n (the free blocks are known to cover them)."""
+        if not have:
+            start, end = self._largest()
+            length = end - start + 1
+            if length >= n:  # the sequence's first blocks, in one run
+                at = start if start - 1 not in self._tails else start + (length - n + 1) // 2
+                self._carve(start, end, at, at + n - 1)
+                have.extend(range(at, at + n))
+                return
+        elif have[-1] + 1 in self._run_end:  # grow in place
+            start = have[-1] + 1
+            take = min(n - len(have), self._run_end[start] - start + 1)
+            self._carve(start, self._run_end[start], start, start + take - 1)
+            have.extend(range(start, start + take))
+        if len(have) < n:
+            self._contiguous[slot] = False
+        while len(have) < n:  # the end of the largest run: the run's left neighbour keeps its room longest
+            start, end = self._largest()
+            take = min(n - len(have), end - start + 1)
+            self._carve(start, end, end - take + 1, end)
+            have.extend(range(end - take + 1, end + 1))
+
+    def _largest(self) -> tuple[int, int]:
+        """(first id, last id) of the largest free run (ties: the lowest ids); there must be one."""
+        heap = self._heap
+        while True:
+            claim, end = heap[0]
+            start = self._run_start.get(end)
+            if start is None:
+                heapq.heappop(heap)  # the run is gone
+                continue
+            length = end - start + 1
+            if length == -claim:
+                return start, end
+            if length < -claim:
+                heapq.heapreplace(heap, (-length, end))  # the run shrank from its left
+            else:
+                heapq.heappop(heap)  # a merged run's older entry: the merged run has its own
+
+    def _carve(self, start: int, end: int, first: int, last: int) -> None:
+        """Take [first, last] out of the free run [start, end]."""
+        del self._run_end[start], self._run_start[end]
+        if last < end:
+            self._add_run(last + 1, end, push=False)  # same last id: the run's entry still claims enough
+        if start < first:
+            self._add_run(start, first - 1)
+        self._num_free -= last - first + 1
+
+    def _release(self, first: int, last: int) -> None:
+        """Return [first, last] to the free runs, merged with the runs on either side (num_free is the caller's)."""
+        start = self._run_start.pop(first - 1, None)
+        if start is not None:
+            del self._run_end[start]
+            first = start
+        end = self._run_end.pop(last + 1, None)
+        if end is not None:
+            del self._run_start[end]
+            last = end
+        self._add_run(first, last)
+
+    def _add_run(self, first: int, last: int, push: bool = True) -> None:
+        self._run_end[first] = last
+        self._run_start[last] = first
+        if push:
+            heapq.heappush(self._heap, (first - last - 1, last))
+            if len(self._heap) > 4 * len(self._run_end) + 64:  # drop dead entries: amortized O(1) per push
+                self._heap = [(s - e - 1, e) for s, e in self._run_end.items()]
+                heapq.heapify(self._heap)
 
 
 def _to(values: list[int], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:

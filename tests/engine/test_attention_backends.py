@@ -131,15 +131,20 @@ def test_backend_registry_and_resolution(monkeypatch):
 @pytest.mark.parametrize("backend", BACKEND_PARAMS, indirect=True)
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
 def test_mixed_lengths_at_scattered_slots_and_blocks_match_target(models, arch, backend):
-    engine = models.engine(arch, "noisy", attention=backend)
+    # A pool just big enough for the rows' peak blocks and the kept holders': rows placed without knowing their
+    # final lengths run into a neighbour and continue elsewhere, so some rows' blocks are scattered.
+    pair, block_size, k = models.pair(arch, "noisy"), 4, 3
+    need = sum(-(-(len(p) + m + k + 1) // block_size) for p, m in zip(MIXED[:8], MIXED_MAX[:8])) + 4
+    per_block = sum(PagedKVCache.bytes_per_block(m.config, block_size, torch.float32) for m in (pair.target, pair.draft))
+    engine = models.engine(arch, "noisy", attention=backend, block_size=block_size, kv_cache_memory=per_block * need)
     assert engine.target.attention == engine.draft.attention == backend
-    # Occupy every other slot and a block between each first: the batch's slots and blocks are scattered.
+    # Occupy every other slot and a block between each first: the batch's slots are scattered.
     holders = [admit(engine, [5, 6], SamplingParams()) for _ in range(8)]
     for h in holders[::2]:
         engine.free(h.seq_id)
     params = [SamplingParams(max_tokens=m) for m in MIXED_MAX[:8]]
     seen = []
-    seqs, outs = run_to_end(engine, MIXED[:8], params, 3,
+    seqs, outs = run_to_end(engine, MIXED[:8], params, k,
                             before_step=lambda e, live: seen.extend(e.blocks.first_contiguous_block(s.slot, 1) for s in live))
     assert sorted(s.slot for s in seqs) != list(range(min(s.slot for s in seqs), min(s.slot for s in seqs) + 8))
     assert -1 in seen  # some rows' blocks are not contiguous

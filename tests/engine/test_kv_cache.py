@@ -156,30 +156,133 @@ def test_sequences_reaching_max_model_len_finish_with_length(models, k):
 # ------------------------------------------------------------------------------------------ paged blocks
 
 
-def test_block_manager_hands_out_contiguous_blocks_frees_and_reuses_them():
+def _block_manager(num_blocks: int, num_slots: int, max_blocks_per_seq: int, block_size: int = 4):
     from exspec.engine.kv_cache import BlockManager
 
-    blocks = BlockManager(num_blocks=10, block_size=4, num_slots=3, max_blocks_per_seq=6, device=torch.device("cpu"))
+    return BlockManager(num_blocks, block_size, num_slots, max_blocks_per_seq, torch.device("cpu"))
+
+
+def test_block_manager_keeps_rows_contiguous_frees_and_reuses_blocks():
+    blocks = _block_manager(num_blocks=10, num_slots=3, max_blocks_per_seq=6)
     assert blocks.num_free_blocks == 10 and blocks.blocks_for(9) == 3 and blocks.blocks_for(8) == 2
+    assert blocks.free_runs() == [(1, 10)]
     blocks.grow([(0, 3), (1, 2)])
-    assert blocks.blocks(0) == [1, 2, 3] and blocks.blocks(1) == [4, 5]  # block 0 is never handed out
+    # Row 1's first blocks go in the middle of the run after row 0 (4..10): row 0 keeps room to grow.
+    assert blocks.blocks(0) == [1, 2, 3] and blocks.blocks(1) == [7, 8]  # block 0 is never handed out
     assert blocks.block_table[0].tolist() == [1, 2, 3, 0, 0, 0]  # past the owned blocks: the null block
     assert blocks.first_contiguous_block(0, 12) == 1 and blocks.first_contiguous_block(0, 13) == -1
-    blocks.grow([(0, 4)])  # block 4 is taken: the lowest free id, no longer contiguous
-    assert blocks.blocks(0) == [1, 2, 3, 6] and blocks.first_contiguous_block(0, 1) == -1
-    blocks.grow([(1, 3)])  # 6 is taken too: 7; then 8 right after it
-    blocks.grow([(1, 4)])
-    assert blocks.blocks(1) == [4, 5, 7, 8] and blocks.num_free_blocks == 2
-    with pytest.raises(CapacityError, match="3 KV blocks needed, 2 of 10 free"):
-        blocks.grow([(2, 1), (0, 6)])  # all or nothing
-    assert blocks.num_free_blocks == 2 and blocks.blocks(2) == [] and blocks.blocks(0) == [1, 2, 3, 6]
-    assert blocks.block_table[2].tolist() == [0] * 6
+    blocks.grow([(0, 5)])  # the blocks right after row 0's last one
+    assert blocks.blocks(0) == [1, 2, 3, 4, 5] and blocks.free_runs() == [(6, 6), (9, 10)]
+    blocks.grow([(2, 1)])  # the largest run, 9..10, follows row 1's last block: its middle
+    assert blocks.blocks(2) == [10]
+    blocks.grow([(1, 4)])  # 9 is free, 10 is taken: the end of the largest run left, 6; row 1 is scattered now
+    assert blocks.blocks(1) == [7, 8, 9, 6] and blocks.first_contiguous_block(1, 1) == -1
+    assert blocks.block_table[1].tolist() == [7, 8, 9, 6, 0, 0] and blocks.num_free_blocks == 0
+    with pytest.raises(CapacityError, match="2 KV blocks needed, 0 of 10 free"):
+        blocks.grow([(2, 2), (0, 6)])  # all or nothing
+    assert blocks.blocks(2) == [10] and blocks.blocks(0) == [1, 2, 3, 4, 5] and blocks.block_table[2].tolist() == [10] + [0] * 5
+    blocks.free(1)
+    assert blocks.num_free_blocks == 4 and blocks.block_table[1].tolist() == [0] * 6
+    assert blocks.free_runs() == [(6, 9)]  # the scattered row's blocks merge into one run
+    blocks.grow([(0, 6)])
+    assert blocks.blocks(0) == [1, 2, 3, 4, 5, 6] and blocks.first_contiguous_block(0, 24) == 1
     blocks.free(0)
-    assert blocks.num_free_blocks == 6 and blocks.block_table[0].tolist() == [0] * 6
-    blocks.grow([(2, 5)])  # lowest ids first, then the next one while free
-    assert blocks.blocks(2) == [1, 2, 3, 6, 9] and blocks.block_table[2].tolist() == [1, 2, 3, 6, 9, 0]
+    blocks.free(2)
+    assert blocks.free_runs() == [(1, 10)] and blocks.num_free_blocks == 10
     with pytest.raises(CapacityError, match="at most 6"):
         blocks.grow([(0, 7)])
+
+
+@pytest.mark.parametrize("prompt_blocks", [[1] * 8, [3, 1, 5, 2, 4, 1, 6, 2]])
+def test_rows_admitted_back_to_back_and_grown_in_turn_stay_contiguous(prompt_blocks):
+    """The offline pattern that interleaved rows under lowest-id-first: admit 8 rows one after another, then
+    grow each a block per step in turn. With a pool 4x what they end up holding every row stays one run."""
+    final = 16
+    blocks = _block_manager(num_blocks=4 * 8 * final, num_slots=8, max_blocks_per_seq=final)
+    for slot, n in enumerate(prompt_blocks):
+        blocks.grow([(slot, n)])
+    for n in range(2, final + 1):
+        blocks.grow([(slot, max(n, p)) for slot, p in enumerate(prompt_blocks)])
+        for slot in range(8):
+            assert blocks.first_contiguous_block(slot, 1) == blocks.blocks(slot)[0], (n, slot, blocks.blocks(slot))
+    assert blocks.num_free_blocks == 3 * 8 * final  # nothing reserved: memory follows the blocks held
+    for slot in range(8):
+        blocks.free(slot)
+    assert blocks.free_runs() == [(1, 4 * 8 * final)]
+
+
+def test_a_full_pool_hands_out_every_block():
+    """No block is lost to placement: rows growing in turn fill the pool to its last block (rows that run into
+    a neighbour continue elsewhere, scattered), and a row longer than any free run still gets its blocks."""
+    blocks = _block_manager(num_blocks=37, num_slots=6, max_blocks_per_seq=37)
+    held = [1, 1, 1, 1, 1]
+    for slot in range(5):
+        blocks.grow([(slot, 1)])
+    while blocks.num_free_blocks:
+        slot = min(range(5), key=lambda s: held[s])
+        held[slot] += 1
+        blocks.grow([(slot, held[slot])])
+    owned = [b for s in range(5) for b in blocks.blocks(s)]
+    assert sorted(owned) == list(range(1, 38)) and blocks.free_runs() == []
+    with pytest.raises(CapacityError, match="1 KV blocks needed, 0 of 37 free"):
+        blocks.grow([(5, 1)])
+    for slot in (0, 2, 4):
+        blocks.free(slot)
+    free = [b for s, e in blocks.free_runs() for b in range(s, e + 1)]
+    assert max(e - s + 1 for s, e in blocks.free_runs()) < len(free)  # no run holds them all
+    blocks.grow([(5, len(free))])
+    assert sorted(blocks.blocks(5)) == free and blocks.num_free_blocks == 0
+    assert blocks.first_contiguous_block(5, 1) == -1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_grow_and_free_against_a_reference(seed):
+    """Random admissions, growth and frees (some all-or-nothing failures): every block owned at most once, the
+    free runs are exactly the blocks no row owns (maximal runs), a new row's blocks land in a largest run when
+    one holds them, the table mirrors the rows, and freeing everything leaves one run."""
+    import random
+
+    rng = random.Random(seed)
+    num_blocks, slots, cap = rng.choice([(40, 5, 16), (200, 12, 40), (63, 8, 63)])
+    blocks = _block_manager(num_blocks=num_blocks, num_slots=slots, max_blocks_per_seq=cap)
+    for _ in range(400):
+        live = [s for s in range(slots) if blocks.held(s)]
+        if live and rng.random() < 0.2:
+            blocks.free(rng.choice(live))
+        else:
+            picked = rng.sample(range(slots), rng.randint(1, 3))
+            wants = [(s, min(cap, blocks.held(s) + rng.choice([1, 1, 1, 2, 5]))) for s in picked]
+            need = sum(n - blocks.held(s) for s, n in wants)
+            runs_before = blocks.free_runs()
+            before = [list(blocks.blocks(s)) for s in range(slots)]
+            if need > blocks.num_free_blocks:
+                with pytest.raises(CapacityError):
+                    blocks.grow(wants)
+                assert [blocks.blocks(s) for s in range(slots)] == before and blocks.free_runs() == runs_before
+            else:
+                blocks.grow(wants)
+                for s, n in wants:
+                    assert blocks.blocks(s)[: len(before[s])] == before[s] and blocks.held(s) == n
+                (s, n), = wants[:1]
+                longest = max((e - b + 1 for b, e in runs_before), default=0)
+                if not before[s] and n <= longest:  # the first row placed by this call saw runs_before
+                    first = blocks.blocks(s)[0]
+                    assert any(b <= first <= e and e - b + 1 == longest for b, e in runs_before)
+                    assert blocks.first_contiguous_block(s, 1) == first
+        owned = [b for s in range(slots) for b in blocks.blocks(s)]
+        runs = blocks.free_runs()
+        free = [b for s, e in runs for b in range(s, e + 1)]
+        assert len(set(owned)) == len(owned) and sorted(owned + free) == list(range(1, num_blocks + 1))
+        assert blocks.num_free_blocks == len(free)
+        assert all(e + 1 < s2 for (_, e), (s2, _) in zip(runs, runs[1:]))  # maximal: neighbours were merged
+        for s in range(slots):
+            row = blocks.blocks(s)
+            assert blocks.block_table[s].tolist() == row + [0] * (cap - len(row))
+            if blocks.first_contiguous_block(s, 1) > 0:
+                assert row == list(range(row[0], row[0] + len(row)))
+    for s in range(slots):
+        blocks.free(s)
+    assert blocks.free_runs() == [(1, num_blocks)] and blocks.num_free_blocks == num_blocks
 
 
 def _engine_with_blocks(models, num_blocks: int, **overrides):
