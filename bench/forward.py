@@ -45,10 +45,11 @@ def block_layouts(batch_size: int, positions: int, block_size: int, device: torc
     "consecutive" slots, ids interleaved across rows (one block per row in turn) for the "scattered" slots."""
     per_row = -(-positions // block_size)
     blocks = BlockManager(2 * batch_size * per_row, block_size, 2 * batch_size, per_row, device)
-    for slot in slot_layout("consecutive", batch_size):
-        blocks.grow([(slot, per_row)])
-    for i in range(per_row):
-        blocks.grow([(slot, i + 1) for slot in slot_layout("scattered", batch_size)])
+    for b, slot in enumerate(slot_layout("consecutive", batch_size)):  # row b: ids b * per_row + 1, + 2, ...
+        blocks.assign(slot, [1 + b * per_row + i for i in range(per_row)])
+    base = 1 + batch_size * per_row
+    for b, slot in enumerate(slot_layout("scattered", batch_size)):  # block i of row b: base + i * B + b
+        blocks.assign(slot, [base + i * batch_size + b for i in range(per_row)])
     return blocks
 
 

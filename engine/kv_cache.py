@@ -133,6 +133,26 @@ class BlockManager:
             dev = self.block_table.device
             self.block_table[_to(rows, dev), _to(cols, dev)] = _to(ids, dev, torch.int32)
 
+    def assign(self, slot: int, ids: list[int]) -> None:
+        """Give an empty slot exactly these free block ids, in order: for benchmarks and tests that need a given
+        layout (e.g. rows whose blocks interleave), not for serving (O(free runs) per id)."""
+        if self._blocks[slot]:
+            raise ValueError(f"slot {slot} already holds blocks")
+        if len(ids) > self.max_blocks_per_seq or len(set(ids)) != len(ids):
+            raise CapacityError(f"{len(ids)} blocks (distinct, at most {self.max_blocks_per_seq}) for one sequence")
+        taken = [b for b in ids if not any(s <= b <= e for s, e in self._run_end.items())]
+        if taken:  # all or nothing, as grow
+            raise CapacityError(f"block {taken[0]} is not free")
+        for b in ids:
+            self._carve(*next((s, e) for s, e in self._run_end.items() if s <= b <= e), b, b)
+        self._blocks[slot] = list(ids)
+        self._contiguous[slot] = all(b == a + 1 for a, b in zip(ids, ids[1:]))
+        if ids and self._contiguous[slot] and len(ids) < self.max_blocks_per_seq:
+            self._tails.add(ids[-1])
+        if ids:
+            dev = self.block_table.device
+            self.block_table[slot, : len(ids)] = _to(ids, dev, torch.int32)
+
     def free(self, slot: int) -> None:
         """Return the slot's blocks (merged into the free runs); its table row goes back to the null block."""
         blocks = self._blocks[slot]

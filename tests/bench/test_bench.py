@@ -316,3 +316,21 @@ def test_the_resolved_engine_config_reaches_every_engine_method(pair, monkeypatc
         assert built.pop() == replace(engine, draft_model=None if k == 0 else draft, max_num_speculative_tokens=k,
                                       max_num_seqs=bench._pool_size(method, b), max_model_len=bench.max_model_len,
                                       force_mixed=method == "exspec-mixed")
+
+
+def test_forward_layouts_are_what_they_say_whatever_the_allocator_does():
+    """--mode forward compares rows whose blocks are one run against rows whose blocks interleave: the layouts
+    are set block by block (BlockManager.assign), so a smarter allocator cannot make "scattered" contiguous."""
+    import torch
+
+    from exspec.bench.forward import block_layouts, slot_layout
+
+    blocks = block_layouts(3, 40, 16, torch.device("cpu"))  # 3 blocks per row
+    for slot in slot_layout("consecutive", 3):
+        assert blocks.first_contiguous_block(slot, 40) > 0
+    scattered = [blocks.blocks(slot) for slot in slot_layout("scattered", 3)]
+    assert scattered == [[10, 13, 16], [11, 14, 17], [12, 15, 18]]
+    for slot in slot_layout("scattered", 3):
+        assert blocks.first_contiguous_block(slot, 40) == -1
+    assert blocks.num_free_blocks == 0
+    assert blocks.block_table[3].tolist()[:3] == [10, 13, 16]

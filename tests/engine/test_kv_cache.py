@@ -368,3 +368,22 @@ def test_rollback_across_block_boundaries_and_growth_over_many_blocks(models, va
     for seq in seqs:
         engine.free(seq.seq_id)
     assert engine.num_free_blocks == engine.num_blocks and int(engine.blocks.block_table.abs().sum()) == 0
+
+
+def test_assign_gives_exactly_the_ids_asked_and_frees_them_back():
+    from exspec.engine.kv_cache import BlockManager
+
+    blocks = BlockManager(8, 4, 3, 4, torch.device("cpu"))
+    blocks.assign(0, [2, 5, 3])
+    assert blocks.blocks(0) == [2, 5, 3] and blocks.first_contiguous_block(0, 12) == -1
+    assert blocks.block_table[0].tolist() == [2, 5, 3, 0]
+    assert blocks.num_free_blocks == 5 and blocks.free_runs() == [(1, 1), (4, 4), (6, 8)]
+    blocks.assign(1, [6, 7])
+    assert blocks.first_contiguous_block(1, 8) == 6
+    with pytest.raises(CapacityError, match="not free"):
+        blocks.assign(2, [1, 5])
+    with pytest.raises(ValueError):
+        blocks.assign(0, [1])
+    blocks.free(0)
+    blocks.free(1)
+    assert blocks.free_runs() == [(1, 8)] and blocks.num_free_blocks == 8
