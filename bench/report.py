@@ -130,17 +130,20 @@ def policy_lines(rows: list[dict]) -> list[str]:
 def efficiency(rows: list[dict]) -> list[str]:
     """Measured speedup against the ideal one, per speculative method and batch size: ideal = tokens per step /
     (forward time per speculative step / forward time per target-ar step), both measured in the same run (so a
-    step's draft, verify and acceptance cost, at this batch size); measured = tokens/s over target-ar's. A ratio
+    step's draft, verify and acceptance cost, at this batch size); measured = decode tokens/s over target-ar's
+    (decode steps only: the tokens they emit over their wall time), so both sides leave prefill out. A ratio
     near 1 means the engine loses nothing outside its forwards; below 1, scheduling and host overhead cost more per
     token than without speculation; above 1, they cost less (a step's host overhead is shared by a + 1 tokens)."""
-    ar = {r["batch_size"]: r for r in rows if r["method"] == "target-ar" and r.get("forward_ms_per_step")}
+    ar = {r["batch_size"]: r for r in rows
+          if r["method"] == "target-ar" and r.get("forward_ms_per_step") and r.get("decode_tokens_per_s")}
     cells = []
     for r in rows:
         base = ar.get(r["batch_size"])
-        if r["method"] == "target-ar" or base is None or not r.get("forward_ms_per_step") or not r["mean_acceptance_length"]:
+        if (r["method"] == "target-ar" or base is None or not r.get("forward_ms_per_step")
+                or not r["mean_acceptance_length"] or not r.get("decode_tokens_per_s")):
             continue
         ideal = r["mean_acceptance_length"] / (r["forward_ms_per_step"] / base["forward_ms_per_step"])
-        measured = r["tokens_per_s"] / base["tokens_per_s"]
+        measured = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
         cells.append(
             f"| {r['batch_size']} | {r['method']} | {r['mean_acceptance_length']:.2f} | {r['forward_ms_per_step']:.2f} "
             f"| {base['forward_ms_per_step']:.2f} | {ideal:.2f}x | {measured:.2f}x | {measured / ideal:.2f} |"
@@ -150,7 +153,8 @@ def efficiency(rows: list[dict]) -> list[str]:
     return [
         "",
         "Speculation against its ideal (ideal = tokens per step / (forward ms per step / target-ar's forward ms per "
-        "step), both measured in this run; measured = tokens/s over target-ar's):",
+        "step), both measured in this run; measured = decode tokens/s over target-ar's: decode steps only on both "
+        "sides, their tokens over their wall time):",
         "",
         "| B | method | tokens per step | forward ms / step | target-ar forward ms / step | ideal | measured | "
         "measured / ideal |",

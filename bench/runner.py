@@ -82,6 +82,7 @@ class RunResult:
     mean_acceptance_length: float | None  # tokens emitted per sequence per decode step (1.0 without drafts)
     grouped_fraction: float | None  # grouped / (grouped + mixed) decode steps; None outside our engine
     forward_s_per_step: float | None = None  # our engine: seconds per decode step in the forwards (+ acceptance)
+    decode_tokens_per_s: float | None = None  # our engine: tokens emitted by decode steps / their wall time
 
     @property
     def generated_tokens(self) -> int:
@@ -96,6 +97,7 @@ class BenchRow:
     mean_acceptance_length: float | None
     grouped_fraction: float | None
     forward_ms_per_step: float | None  # our engine: ms per decode step in draft + target forwards (+ acceptance)
+    decode_tokens_per_s: float | None  # our engine: decode steps only (their tokens / their wall time), median
     equivalence_rate: float  # prompts whose token ids equal target-ar's at B = 1, over num_prompts
     near_ties: int  # divergences at a near-tie (reference top-2 logit gap < eps)
     real_divergences: int  # the other divergences
@@ -223,6 +225,9 @@ class Bench:
             forward_ms_per_step=(
                 statistics.median(r.forward_s_per_step for r in runs) * 1e3 if first.forward_s_per_step else None
             ),
+            decode_tokens_per_s=(
+                statistics.median(r.decode_tokens_per_s for r in runs) if first.decode_tokens_per_s else None
+            ),
             equivalence_rate=(n - len(divergences)) / n,
             near_ties=near,
             real_divergences=len(divergences) - near,
@@ -303,6 +308,8 @@ class Bench:
                 mean_acceptance_length=summary.mean_acceptance_length,
                 grouped_fraction=summary.grouped_fraction,
                 forward_s_per_step=summary.forward_seconds_per_step,
+                decode_tokens_per_s=(summary.num_decode_tokens / summary.decode_seconds
+                                     if summary.decode_seconds > 0 else None),
             )
 
         return run

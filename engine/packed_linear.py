@@ -1,7 +1,7 @@
 """oneDNN-prepacked linear layers for multi-row forwards on the CPU.
 
 On the CPU, over a few rows (a verify of k + 1 positions, a batch of rows) MKL's sgemm throughput barely rises,
-while oneDNN with its weights reordered once into its blocked layout runs 2x to 3x faster (docs/BENCHMARKS.md,
+while oneDNN with its weights reordered once into its blocked layout runs 2x to 3x faster (docs/BENCHMARKS-HISTORY.md,
 "Few-row GEMM"). One row is memory-bound: in real decoding of a 350M model (weights far larger than the caches)
 sgemm is 1.24x faster than the packed weight on 1 torch thread, and 1.21x slower on 2, where oneDNN uses both
 cores and sgemm's one-row path does not ("One-row forwards"). `PackedLinear` keeps both: one row goes to

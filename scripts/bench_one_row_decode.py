@@ -1,5 +1,5 @@
 """One-row linears in real decoding: MKL sgemm (F.linear) against the oneDNN-prepacked weight, per torch thread
-count (docs/BENCHMARKS.md, "One-row forwards"). Decodes with the target alone through Hugging Face's cache, every
+count (docs/BENCHMARKS-HISTORY.md, "One-row forwards"). Decodes with the target alone through Hugging Face's cache, every
 linear a PackedLinear, one-row forwards routed either way, interleaved, median ms per token.
 
 Run: .venv/bin/python scripts/bench_one_row_decode.py THREADS [MODEL_DIR]   (default: the 350m synthetic target)

@@ -1,6 +1,6 @@
 """Where exspec's default loses to target-ar on the demo pair: the same prompts (bench's selection: 32 chat
 SpecBench prompts <= 1024 tokens, 64 tokens each) through variants that add one difference at a time, interleaved
-per repeat, every output checked identical (docs/BENCHMARKS.md, "Issue 13, session 3").
+per repeat, every output checked identical (docs/BENCHMARKS-HISTORY.md, "Issue 13, session 3").
 
   ar-pool1x        target alone, pool B (= exspec bench's target-ar)
   ar-pool4x        target alone, pool 4B (exspec's sliding pool)

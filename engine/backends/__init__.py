@@ -64,7 +64,7 @@ def available_names(device: torch.device) -> tuple[str, ...]:
 
 def default_backend(device: torch.device) -> str:
     """exspec.engine.config.ATTENTION_DEFAULT for the device type (`triton` on CUDA, `sdpa` on the CPU: measured
-    fastest there, docs/BENCHMARKS.md), `reference` where that one cannot run."""
+    fastest there, docs/BENCHMARKS-HISTORY.md "Paged KV (issue 19)"), `reference` where that one cannot run."""
     preferred = ATTENTION_DEFAULT.get(device.type, "reference")
     return preferred if BACKENDS.get(preferred).available(device) else "reference"
 

@@ -1,7 +1,7 @@
 """`sdpa`: the CPU default. One SDPA call per row, each over its own length: a zero-copy strided view of the
 row's blocks when they are contiguous ids (token-major blocks make a block range one [kv_len, kv_heads,
 head_dim] run of memory), else a gather of its blocks. A row with one query and no window needs no mask.
-Measured against `reference` in docs/BENCHMARKS.md ("Paged KV (issue 19)")."""
+Measured against `reference` in docs/BENCHMARKS-HISTORY.md ("Paged KV (issue 19)"); scattered rows: docs/BENCHMARKS.md."""
 
 from __future__ import annotations
 
