@@ -110,6 +110,11 @@ class Settings(BaseSettings):
     def _check(self) -> Settings:
         if self.pool_size is not None and self.pool_size < self.max_batch_size:
             raise ValueError(f"pool_size must be >= max_batch_size ({self.max_batch_size}), got {self.pool_size}")
+        most = SchedulerConfig.max_wait_steps * self.max_batch_size  # the aging bound (scheduler/policy.py)
+        if self.resolved_pool_size > most:
+            raise ValueError(f"pool_size must be <= max_batch_size x {SchedulerConfig.max_wait_steps} = {most} (no running "
+                             f"sequence waits more than {SchedulerConfig.max_wait_steps} decode steps), got "
+                             f"{self.resolved_pool_size}")
         if self.draft_model is not None and self.model is None:
             raise ValueError("draft_model needs model (without --model the built-in demo pair is used)")
         return self

@@ -69,6 +69,7 @@ def test_compile_flag_and_variable(monkeypatch):
         (["--port", "70000"], {}, "--port / EXSPEC_PORT"),
         ([], {"EXSPEC_MAX_BATCH_SIZE": "0"}, "--max-batch-size / EXSPEC_MAX_BATCH_SIZE"),
         (["--max-batch-size", "8", "--pool-size", "4"], {}, "pool_size must be >= max_batch_size"),
+        (["--max-batch-size", "2", "--pool-size", "17"], {}, "pool_size must be <= max_batch_size x 8 = 16"),
         (["--dtype", "int3"], {}, "--dtype / EXSPEC_DTYPE: dtype must be one of"),
         (["--speculation", "psychic"], {}, "--speculation / EXSPEC_SPECULATION: speculation must be one of"),
         ([], {"EXSPEC_GEMM": "fast"}, "--gemm / EXSPEC_GEMM: gemm must be one of auto, packed, default"),
