@@ -15,6 +15,9 @@ METHODS = ("target-ar", "hf-generate", "hf-assisted", "exspec-mixed", "exspec-fi
 ENGINE_METHODS = ("target-ar", "exspec-mixed", "exspec-fixed", "exspec")  # through our engine and scheduler
 DRAFT_METHODS = ("hf-assisted", "exspec-mixed", "exspec-fixed", "exspec")  # need a draft model
 DEFAULT_REPEATS = {"throughput": 3, "forward": 7}  # timed runs per point (--repeats), by --mode
+DEFAULT_KV_LENS = (256, 2048)  # --mode forward: keys per row (--kv-lens)
+SYNTHETIC_NAMES = ("tiny", "350m", "1b", "8b")  # exspec.bench.synthetic.SHAPES, in this order (torch-free here)
+SYNTHETIC_CACHE = Path.home() / ".cache" / "exspec" / "synthetic"  # --synthetic-cache
 
 
 @dataclass(frozen=True)

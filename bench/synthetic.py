@@ -23,9 +23,10 @@ import torch
 from exspec.data import encode_prompts, load_questions, read_rows
 from exspec.demo.tokenizer import train_bpe
 from exspec.engine.random_model import causal_lm_config, random_causal_lm
+from exspec.bench.config import SYNTHETIC_CACHE, SYNTHETIC_NAMES
 from exspec.errors import SyntheticError
 
-DEFAULT_CACHE = Path.home() / ".cache" / "exspec" / "synthetic"
+DEFAULT_CACHE = SYNTHETIC_CACHE
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
@@ -60,6 +61,7 @@ SHAPES = {
     "1b": SyntheticShape(2048, 8192, 16, 32, 8, 128256, scale=0.03, build_dtype="bfloat16"),
     "8b": SyntheticShape(4096, 14336, 32, 32, 8, 128256, scale=0.015, build_dtype="bfloat16"),
 }
+assert tuple(SHAPES) == SYNTHETIC_NAMES, "bench/config.py lists the synthetic shapes for the CLI"
 
 
 def _dirname(name: str, shape: SyntheticShape, seed: int) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from exspec.bench.config import DEFAULT_REPEATS, METHODS, BenchConfig
+from exspec.bench.config import DEFAULT_KV_LENS, DEFAULT_REPEATS, METHODS, SYNTHETIC_CACHE, SYNTHETIC_NAMES, BenchConfig
 from exspec.cli.flags import ENGINE_FIELDS, add_settings_arguments, resolve_models, settings_from_args
 
 # The shared settings bench takes: the same flags, EXSPEC_* variables, defaults and checks as serve and generate
@@ -21,7 +21,6 @@ from exspec.cli.flags import ENGINE_FIELDS, add_settings_arguments, resolve_mode
 # default, exspec-fixed and exspec-mixed a fixed k).
 BENCH_FIELDS = tuple(f for f in ENGINE_FIELDS if f not in ("max_batch_size", "pool_size", "speculation"))
 
-SYNTHETIC = ("tiny", "350m", "1b", "8b")  # == exspec.bench.synthetic.SHAPES
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -54,18 +53,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["throughput", "forward"], default="throughput",
                    help="throughput: tokens/s per method (default); forward: one target forward, consecutive "
                         "against scattered KV slots")
-    p.add_argument("--synthetic", choices=SYNTHETIC, default=None,
+    p.add_argument("--synthetic", choices=SYNTHETIC_NAMES, default=None,
                    help="benchmark a random Llama-shaped pair built in seconds (no training, no download): "
                         "tiny (tests), 350m (CPU), 1b, 8b (GPU); instead of --model")
-    p.add_argument("--synthetic-cache", type=Path, default=Path.home() / ".cache" / "exspec" / "synthetic",
-                   help="where synthetic pairs are cached (default: ~/.cache/exspec/synthetic)")
+    p.add_argument("--synthetic-cache", type=Path, default=SYNTHETIC_CACHE,
+                   help="where synthetic pairs are cached (default: %(default)s)")
     p.add_argument("--output", type=Path, default=Path("bench-results"), help="output directory (default: bench-results)")
     # BenchConfig's own fields, one flag each with the field's name (exspec.bench.config.OPTIONS); no default
     # here: an absent flag leaves BenchConfig's, written once there.
     p.add_argument("--methods", type=_methods, default=None, help=f"comma-separated (default: {','.join(METHODS)})")
     p.add_argument("--batch-sizes", type=_int_list, default=None,
                    help=f"default: {','.join(map(str, BenchConfig.batch_sizes))}")
-    p.add_argument("--kv-lens", type=_int_list, default=(256, 2048), help="forward mode: keys per row (default: 256,2048)")
+    p.add_argument("--kv-lens", type=_int_list, default=DEFAULT_KV_LENS,
+                   help=f"forward mode: keys per row, comma-separated (default: {','.join(map(str, DEFAULT_KV_LENS))})")
     p.add_argument("--num-prompts", type=int, default=None,
                    help=f"SpecBench questions, evenly spaced (default: {BenchConfig.num_prompts})")
     p.add_argument("--max-prompt-len", type=int, default=None,
