@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from exspec.engine.config import KV_MEMORY_DEFAULT, EngineConfig
-from exspec.engine.kv_cache import BlockManager, PagedKVCache, SlotAllocator, available_memory
+from exspec.engine.kv_cache import BlockManager, KVPools, SlotAllocator, available_memory
 from exspec.engine.loader import ModelPair, load_model_pair
 from exspec.engine.params import SamplingParams
 from exspec.engine.runner import ModelRunner, to_device
@@ -149,7 +149,7 @@ class SpecEngine:
         max_num_seqs sequences of max_model_len. ConfigError (with the figures) if one such sequence cannot fit."""
         models = [m for m in (self.pair.target, self.pair.draft) if m is not None]
         per_block = sum(
-            PagedKVCache.bytes_per_block(m.config, config.block_size, next(m.parameters()).dtype) for m in models
+            KVPools.bytes_per_block(m.config, config.block_size, next(m.parameters()).dtype) for m in models
         )
         mem = config.kv_cache_memory if config.kv_cache_memory is not None else KV_MEMORY_DEFAULT[device.type]
         if isinstance(mem, float):

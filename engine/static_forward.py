@@ -101,9 +101,8 @@ class StaticForward:
             starts=(),
             first_blocks=(),
             window=runner.sliding_window,
-            gather=False,
         )
-        self.call = AttentionCall(self.backend, self.meta)
+        self.call = AttentionCall(runner.pools, self.meta, self.backend, self.backend.plan(self.meta))
         self.compiled: Callable[[], torch.Tensor] | None = None
 
     def compile(self, **options) -> None:
@@ -150,8 +149,7 @@ class StaticForward:
             input_ids=self.tokens,
             position_ids=model_positions,
             attention_mask=self.mask,
-            past_key_values=runner.cache,
-            use_cache=True,
+            use_cache=False,
             exspec_attention=self.call,
         ).last_hidden_state  # [bucket, Q, hidden]
         logits = runner.head(hidden)[..., : runner.vocab_size].float()  # [bucket, Q, vocab]
@@ -164,10 +162,5 @@ class StaticForward:
         """`ModelRunner.extend(tokens, starts, slots)` at static shapes: load, forward (compiled if `compile` was
         called), the first B rows of the logits."""
         self.load(tokens, starts, slots)
-        cache = self.runner.cache
-        cache.meta = self.meta
-        try:
-            logits = (self.compiled or self.forward)()  # [bucket, Q, vocab]
-        finally:
-            cache.meta = None
+        logits = (self.compiled or self.forward)()  # [bucket, Q, vocab]
         return logits[: tokens.shape[0]]
