@@ -14,6 +14,7 @@ from tests.support.driver import admit, prefill, run_to_end, serve, step
 from tests.support.models import ARCHS, EOS, random_prompts
 
 from exspec.engine import EngineConfig, SamplingParams, SpecEngine
+from exspec.engine.static_forward import bucket_for
 
 # Every scenario runs with every attention backend that runs on the CPU, and with EngineConfig.compile off and on
 # (tests/engine/conftest.py: compile on, a few cases by default, all with EXSPEC_TEST_COMPILE=1).
@@ -53,9 +54,10 @@ def test_mixed_lengths_batch_matches_target(models, arch, k, variant):
     assert_matches_reference(models, arch, MIXED, seqs, MIXED_MAX)
     assert outs[1].kind == "mixed"
     assert all(out.num_draft_tokens == k for out in outs[1:])
-    if models.compile:  # every draft and verify forward ran compiled, at buckets 16 down to 1 as rows finished
+    if models.compile:  # the verify (and k > 1: the draft) ran static at each step's bucket, 16 down as rows finished
         used = sorted(engine._static)  # (draft?, bucket, Q)
-        assert {q for _, _, q in used} == {k + 1} | ({1} if k > 1 else set()) and {b for _, b, _ in used} >= {16, 1}
+        assert {q for _, _, q in used} == {k + 1} | ({1} if k > 1 else set())
+        assert {b for _, b, _ in used} == {bucket_for(out.batch_size) for out in outs[1:]} and 16 in {b for _, b, _ in used}
     if variant == "noisy":  # acceptance lengths differ per row: every catch-up and rollback path runs
         lengths = {o.num_accepted for out in outs[1:] for o in out.outputs}
         assert 0 in lengths and len(lengths) >= min(3, k + 1)
