@@ -54,7 +54,7 @@ def _near_tie(model, prompt, ref, pos, vocab, eps) -> tuple[bool, float]:
     return gap < eps, gap
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--synthetic", choices=sorted(SHAPES), default="tiny")
     p.add_argument("--synthetic-cache", type=Path, default=DEFAULT_CACHE)
@@ -65,7 +65,11 @@ def main(argv=None) -> int:
     p.add_argument("--prompts-per-batch", type=int, default=2, help="prompts = this x B (default: 2)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--out", type=Path, default=Path("compile-check"))
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     target_dir, draft_dir, info = ensure_synthetic_pair(args.synthetic, args.synthetic_cache, device=args.device)
     fields = dict(model=target_dir, draft_model=draft_dir, device=args.device, dtype=dtype,
