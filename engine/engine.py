@@ -23,7 +23,7 @@ from exspec.engine.sampling import (
     sample_from_probs,
 )
 from exspec.engine.sequence import SeqState
-from exspec.engine.static_forward import StaticForward, bucket_for
+from exspec.engine.static_forward import StaticForward, bucket_for, graph_memory_bytes
 from exspec.engine.types import PrefillBatch, SeqOutput, StepBatch, StepOutput
 from exspec.errors import CapacityError, ConfigError, InvalidRequestError
 
@@ -154,6 +154,9 @@ class SpecEngine:
         mem = config.kv_cache_memory if config.kv_cache_memory is not None else KV_MEMORY_DEFAULT[device.type]
         if isinstance(mem, float):
             free = available_memory(device)
+            if config.compile and device.type == "cuda":  # the captured graphs' pool first (an estimate, unmeasured)
+                free = max(0, free - graph_memory_bytes(self.pair.target, self.pair.draft, config.max_num_seqs, self.max_k,
+                                                         self.vocab_size))
             budget, what = int(mem * free), f"{mem:g} of the {free / 2**30:.2f} GiB free on {device.type}"
         else:
             budget, what = mem, "asked for"

@@ -81,3 +81,18 @@ def test_bucket_for():
 
 
 # The engine with EngineConfig.compile on: tests/engine/test_engine_equivalence.py (its `compiled` cases).
+
+
+def test_static_addresses_marked_for_cuda_graphs_still_compile(models):
+    """On CUDA `compile` marks the pools and buffers as static addresses (CUDA graphs skip a graph that mutates an
+    input that is not); marked, the forward is still one graph and still matches `extend` (the capture itself is
+    NOT exercised: no GPU on CI)."""
+    engine, lengths = _engine_with_rows(models, "llama", "draft", 3)
+    static = StaticForward(engine.target, 4, K + 1)
+    static.mark_static()
+    assert all(getattr(t, "_dynamo_static_input_type", None) == "unguarded" for t in static.static_tensors())
+    assert len(static.static_tensors()) == 2 * engine.target.model.config.num_hidden_layers + 8
+    tokens = torch.randint(3, engine.target.vocab_size, (3, K + 1), generator=torch.Generator().manual_seed(0))
+    expected = engine.target.extend(tokens, list(lengths), [0, 1, 2], force_per_row=True)  # [3, K + 1, V]
+    static.compile(backend="aot_eager")
+    torch.testing.assert_close(static.run(tokens, list(lengths), [0, 1, 2]), expected, rtol=1e-4, atol=1e-4)
