@@ -131,3 +131,20 @@ def register_eager() -> str:
     AttentionInterface.register(EAGER_NAME, eager_forward)
     AttentionMaskInterface.register(EAGER_NAME, eager_mask)
     return EAGER_NAME
+
+
+def attach(model: torch.nn.Module) -> str:
+    """Make `model` call exspec's entry points (idempotent): `exspec_eager` for a model set to eager attention,
+    `exspec_sdpa` for any other (sdpa, flash, ...: the engine's backend reads the pools). The loader loads models
+    with them already; a model built elsewhere (a `ModelPair` handed to the engine) is switched here. Returns the
+    name now in use."""
+    current = model.config._attn_implementation
+    if current in (NAME, EAGER_NAME):
+        return current
+    name = register_eager() if current == "eager" else register()
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:  # pragma: no cover - every transformers PreTrainedModel has it
+        model.config._attn_implementation = name
+    return name
+

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from exspec.engine import backends
-from exspec.engine.attention import EAGER_NAME, AttentionCall
+from exspec.engine.attention import EAGER_NAME, AttentionCall, attach
 from exspec.engine.attention import NAME as EXSPEC_ATTENTION
 from exspec.engine.kv_cache import BlockManager, ForwardMeta, KVPools
 from exspec.errors import ExspecError
@@ -42,6 +42,7 @@ class ModelRunner:
         attention: str = backends.AUTO,  # a name in engine/backends/ (names()); "auto": the device's default
     ) -> None:
         self.model = model
+        attach(model)  # the model's attention layers call exspec's entry points (engine/attention.py)
         self.config = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
