@@ -96,11 +96,18 @@ COMPILE_DEFAULT_CASES = {
 }
 
 
+# Scenarios compile cannot run: test name -> why.
+COMPILE_NEVER = {"test_eager_attention_matches_target": "compile needs exspec's attention, not eager (EngineConfig refuses it)"}
+
+
 def _skip_compile_cases(items) -> None:
     default_backend = backends.default_backend(torch.device("cpu"))
     for item in items:
         params = getattr(item, "callspec", None) and item.callspec.params
         if not params or params.get("engine_compile") is not True:
+            continue
+        if item.originalname in COMPILE_NEVER:
+            item.add_marker(pytest.mark.skip(reason=COMPILE_NEVER[item.originalname]))
             continue
         if params.get("attention_backend", default_backend) != default_backend:
             item.add_marker(pytest.mark.skip(reason="compile on: the static forwards use their own attention; "
