@@ -151,7 +151,7 @@ def test_mixed_lengths_at_scattered_slots_and_blocks_match_target(models, arch, 
     # final lengths run into a neighbour and continue elsewhere, so some rows' blocks are scattered.
     pair, block_size, k = models.pair(arch, "noisy"), 4, 3
     need = sum(-(-(len(p) + m + k + 1) // block_size) for p, m in zip(MIXED[:8], MIXED_MAX[:8])) + 4
-    per_block = sum(PagedKVCache.bytes_per_block(m.config, block_size, torch.float32) for m in (pair.target, pair.draft))
+    per_block = sum(KVPools.bytes_per_block(m.config, block_size, torch.float32) for m in (pair.target, pair.draft))
     engine = models.engine(arch, "noisy", attention=backend, block_size=block_size, kv_cache_memory=per_block * need)
     assert engine.target.attention == engine.draft.attention == backend
     # Occupy every other slot and a block between each first: the batch's slots are scattered.
