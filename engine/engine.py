@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from exspec.engine.config import KV_MEMORY_DEFAULT, EngineConfig
-from exspec.engine.kv_cache import BlockManager, PagedKVCache, SlotAllocator, available_memory
+from exspec.engine.kv_cache import BlockManager, KVPools, SlotAllocator, available_memory
 from exspec.engine.loader import ModelPair, load_model_pair
 from exspec.engine.params import SamplingParams
 from exspec.engine.runner import ModelRunner, to_device
@@ -23,7 +23,7 @@ from exspec.engine.sampling import (
     sample_from_probs,
 )
 from exspec.engine.sequence import SeqState
-from exspec.engine.static_forward import StaticForward, bucket_for
+from exspec.engine.static_forward import StaticForward, bucket_for, graph_memory_bytes
 from exspec.engine.types import PrefillBatch, SeqOutput, StepBatch, StepOutput
 from exspec.errors import CapacityError, ConfigError, InvalidRequestError
 
@@ -149,11 +149,14 @@ class SpecEngine:
         max_num_seqs sequences of max_model_len. ConfigError (with the figures) if one such sequence cannot fit."""
         models = [m for m in (self.pair.target, self.pair.draft) if m is not None]
         per_block = sum(
-            PagedKVCache.bytes_per_block(m.config, config.block_size, next(m.parameters()).dtype) for m in models
+            KVPools.bytes_per_block(m.config, config.block_size, next(m.parameters()).dtype) for m in models
         )
         mem = config.kv_cache_memory if config.kv_cache_memory is not None else KV_MEMORY_DEFAULT[device.type]
         if isinstance(mem, float):
             free = available_memory(device)
+            if config.compile and device.type == "cuda":  # the captured graphs' pool first (an estimate, unmeasured)
+                free = max(0, free - graph_memory_bytes(self.pair.target, self.pair.draft, config.max_num_seqs, self.max_k,
+                                                         self.vocab_size))
             budget, what = int(mem * free), f"{mem:g} of the {free / 2**30:.2f} GiB free on {device.type}"
         else:
             budget, what = mem, "asked for"

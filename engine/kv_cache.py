@@ -19,8 +19,6 @@ import heapq
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
-
 from exspec.errors import CapacityError, ModelLoadError
 
 NULL_BLOCK = 0
@@ -250,7 +248,7 @@ def _to(values: list[int], device: torch.device, dtype: torch.dtype = torch.long
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ForwardMeta:
     """Where one forward writes and what its attention reads: built once per forward from device tensors,
     shared by every layer (and handed to the attention backend's plan)."""
@@ -264,29 +262,6 @@ class ForwardMeta:
     starts: tuple[int, ...]  # [B] host: position of each row's first query
     first_blocks: tuple[int, ...]  # [B] host: each row's first block when its blocks are contiguous, else -1
     window: int | None  # sliding window, or None
-    gather: bool = False  # return gathered K/V [B, kv_heads, kv_len, head_dim] (attention that is not exspec's)
-
-
-class _PoolLayer(CacheLayerMixin):
-    """A layer marker so transformers' mask helpers see a full-attention layer."""
-
-    is_sliding = False
-    is_compileable = False
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:  # pragma: no cover
-        raise NotImplementedError
-
-    def update(self, key_states, value_states, *args, **kwargs):  # pragma: no cover - PagedKVCache.update is used
-        raise NotImplementedError
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:  # pragma: no cover
-        raise NotImplementedError
-
-    def get_seq_length(self) -> int:
-        return 0
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 def kv_shape(config) -> tuple[int, int, int]:
@@ -297,52 +272,43 @@ def kv_shape(config) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, head_dim
 
 
-class PagedKVCache(Cache):
-    """A transformers `Cache` over one model's block pools, allocated up front and alive as long as the engine.
-    `update` writes the forward's K/V through `meta.slot_mapping` and hands attention the layer's whole pools."""
+class KVPools:
+    """One model's block pools, allocated up front and alive as long as the engine: per layer a key and a value
+    pool [num_blocks + 1, block_size, kv_heads, head_dim]. Not a transformers `Cache`: the model runs without
+    one, and exspec's attention entry point (engine/attention.py) writes each layer's K/V here through the
+    forward's `ForwardMeta.slot_mapping`, which it receives with the forward's arguments (no state set on the
+    pools between forwards)."""
 
     def __init__(self, config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         layers, kv_heads, head_dim = kv_shape(config)
-        super().__init__(layers=[_PoolLayer() for _ in range(layers)])
         shape = (num_blocks + 1, block_size, kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.block_size = block_size
-        self.meta: ForwardMeta | None = None
 
     @staticmethod
     def bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
         layers, kv_heads, head_dim = kv_shape(config)
         return 2 * layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        """Write this forward's K/V at their pool rows; return what attention reads.
+    def write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
+              slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write one layer's new K/V at their pool rows; return the layer's pools (no copy).
 
-        key_states, value_states: [B, kv_heads, Q, head_dim]
-        returns: the layer's pools [num_blocks + 1, block_size, kv_heads, head_dim] (no copy), or with
-        `meta.gather` each row's keys/values [0, kv_len): [B, kv_heads, kv_len, head_dim] (a copy).
+        key_states, value_states: [B, kv_heads, Q, head_dim]; slot_mapping: [B * Q] long.
+        returns: (keys, values) [num_blocks + 1, block_size, kv_heads, head_dim]
         """
-        meta = self.meta
         k_pool, v_pool = self.keys[layer_idx], self.values[layer_idx]
         batch, kv_heads, q_len, head_dim = key_states.shape
         if kv_heads != k_pool.shape[2] or head_dim != k_pool.shape[3]:
             raise ModelLoadError(f"layer {layer_idx} K/V shape {tuple(key_states.shape)} does not match the config's "
                                  f"(kv_heads {k_pool.shape[2]}, head_dim {k_pool.shape[3]})")
         rows = k_pool.view(-1, kv_heads, head_dim)  # [(num_blocks + 1) * block_size, kv_heads, head_dim]
-        rows.index_copy_(0, meta.slot_mapping, key_states.transpose(1, 2).reshape(-1, kv_heads, head_dim).to(k_pool.dtype))
+        rows.index_copy_(0, slot_mapping, key_states.transpose(1, 2).reshape(-1, kv_heads, head_dim).to(k_pool.dtype))
         v_pool.view(-1, kv_heads, head_dim).index_copy_(
-            0, meta.slot_mapping, value_states.transpose(1, 2).reshape(-1, kv_heads, head_dim).to(v_pool.dtype)
+            0, slot_mapping, value_states.transpose(1, 2).reshape(-1, kv_heads, head_dim).to(v_pool.dtype)
         )
-        if meta.gather:
-            return gather_kv(k_pool, meta), gather_kv(v_pool, meta)
         return k_pool, v_pool
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0  # positions are always passed explicitly
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
 
 
 def gather_kv(pool: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:

@@ -53,11 +53,10 @@ def _load_model(path: Path, role: str, cfg: EngineConfig) -> torch.nn.Module:
             f"{role} {str(path)!r} is a {', '.join(architectures)} ({hf_config.model_type!r}), not a causal LM: "
             "it has no language-model head"
         )
-    attn = cfg.attn_implementation
-    if attn == "sdpa":
-        from exspec.engine.attention import register
+    from exspec.engine.attention import register, register_eager
 
-        attn = register()  # sdpa that reads the slot pools in place (engine/attention.py)
+    # exspec's entry points (engine/attention.py): they write each layer's K/V into the engine's pools and read them
+    attn = register() if cfg.attn_implementation == "sdpa" else register_eager()
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=cfg.torch_dtype, attn_implementation=attn)
     except ValueError as e:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from exspec.engine import backends
+from exspec.engine.attention import EAGER_NAME, AttentionCall, attach
 from exspec.engine.attention import NAME as EXSPEC_ATTENTION
-from exspec.engine.attention import AttentionCall
-from exspec.engine.kv_cache import BlockManager, ForwardMeta, PagedKVCache
+from exspec.engine.kv_cache import BlockManager, ForwardMeta, KVPools
 from exspec.errors import ExspecError
 
 
@@ -30,6 +30,8 @@ class ModelRunner:
       padding queries write K/V past the row's length (in a block it owns, where nothing reads before it is
       overwritten, or in the null block).
     The K/V live in `blocks`' block ids (shared with the other model of the pair) of this model's own pools.
+    A forward hands the model one `AttentionCall` as a keyword (engine/attention.py: the edge to transformers);
+    nothing is set on the pools or the model between forwards.
     """
 
     def __init__(
@@ -40,15 +42,16 @@ class ModelRunner:
         attention: str = backends.AUTO,  # a name in engine/backends/ (names()); "auto": the device's default
     ) -> None:
         self.model = model
+        attach(model)  # the model's attention layers call exspec's entry points (engine/attention.py)
         self.config = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = vocab_size  # logits are cut to the vocabulary shared with the other model
         self.blocks = blocks
-        self.cache = PagedKVCache(self.config, blocks.num_blocks, blocks.block_size, self.dtype, self.device)
+        self.pools = KVPools(self.config, blocks.num_blocks, blocks.block_size, self.dtype, self.device)
         self.base = model.base_model
         self.head = model.get_output_embeddings()
-        self.float_mask = self.config._attn_implementation == "eager"  # eager adds the mask to the scores
+        self.float_mask = self.config._attn_implementation == EAGER_NAME  # eager adds the mask to the scores
         self.sliding_window = _sliding_window(self.config)
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         # Positions the model can embed (learned position tables): a rectangular verify pads rows near the end
@@ -80,18 +83,15 @@ class ModelRunner:
         slot_t = to_device(slots, dev)  # [B]
         meta = self._meta(positions, batch, slot_t, starts, slots, kv_len)
         mask = meta.mask if meta.mask is not None else self._no_mask  # [1 or B, 1, Q, kv_len]
-        self.cache.meta = meta
         model_positions = positions if self.max_position is None else positions.clamp(max=self.max_position - 1)
-        extra = {"exspec_attention": AttentionCall(self.backend, self.backend.plan(meta))} if self.backend else {}
+        call = AttentionCall(self.pools, meta, self.backend, self.backend.plan(meta) if self.backend else None)
         hidden = self.base(
             input_ids=tokens,
             position_ids=model_positions.expand(batch, q_len),
             attention_mask=mask,
-            past_key_values=self.cache,
-            use_cache=True,
-            **extra,
+            use_cache=False,
+            exspec_attention=call,
         ).last_hidden_state  # [B, Q, hidden]
-        self.cache.meta = None
         if select is not None:
             hidden = hidden.gather(1, select[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, n, hidden]
         logits = self.head(hidden)[..., : self.vocab_size].float()  # [B, n, vocab]
@@ -124,7 +124,6 @@ class ModelRunner:
             starts=tuple(starts),
             first_blocks=tuple(self.blocks.first_contiguous_block(s, st + q_len) for s, st in zip(slots, starts)),
             window=self.sliding_window,
-            gather=self.backend is None,
         )
 
     def _mask(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -147,8 +146,8 @@ def _position_limit(config) -> int | None:
 
 
 def resolve_attention(name: str, device: torch.device, attn_implementation: str) -> backends.AttentionBackend | None:
-    """The attention backend a runner uses (engine/backends/), resolved once. None for an attn_implementation
-    other than exspec's (eager): it reads gathered K/V under a float mask."""
+    """The attention backend a runner uses (engine/backends/), resolved once. None for exspec's eager entry point
+    (engine/attention.py): it reads gathered K/V under a float mask."""
     if name != backends.AUTO and name not in backends.names():
         raise ExspecError(f"attention backend must be {backends.AUTO} or one of {list(backends.names())}, got {name!r}")
     if attn_implementation != EXSPEC_ATTENTION:

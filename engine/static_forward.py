@@ -18,8 +18,14 @@ read unmasked) and their logits are cut off by the caller (`run` returns the fir
 `torch.compile(fullgraph=True, dynamic=False)` it is one graph (tests/engine/test_fullgraph.py proves it on the
 CPU). Attention goes through exspec's registered attention function with a backend made for static shapes:
 on the CPU the `reference` gather + masked SDPA over the whole static width; on CUDA the paged Triton kernel as
-the opaque operator `torch.ops.exspec.paged_attention`. NOT YET RUN: CUDA graph capture (`mode="reduce-overhead"`
-or `torch.cuda.CUDAGraph`) of this forward has never run on a GPU.
+the opaque operator `torch.ops.exspec.paged_attention`.
+
+On CUDA `compile` captures the forward in CUDA graphs (`mode="reduce-overhead"`, one graph per (bucket, Q)): the
+pools and buffers are marked static addresses (`mark_static`; a graph that mutates an input that is not static is
+run uncaptured), each call starts a new CUDA-graph step and copies the rows it returns out of the graph's output
+(a replay overwrites it), and the engine takes `graph_memory_bytes` (an estimate) out of the memory its KV pools are
+sized from. NOT YET RUN ON A GPU: none of the CUDA capture path has run; scripts/compile_check.py (run by
+scripts/gpu_check.sh) is how it will be checked and measured.
 """
 
 from __future__ import annotations
@@ -40,6 +46,28 @@ from exspec.engine.runner import ModelRunner, to_device
 COMPILE_OPTIONS = {"cpu": {"backend": "aot_eager"}, "cuda": {"mode": "reduce-overhead"}}
 # Every StaticForward compiles the same code (`forward`) with its own buffers: each is one Dynamo cache entry.
 RECOMPILE_LIMIT = 64
+
+
+def graph_memory_bytes(target: torch.nn.Module, draft: torch.nn.Module | None, max_batch: int, max_k: int,
+                       vocab_size: int) -> int:
+    """An upper estimate of what the captured graphs' memory pool holds on CUDA, taken out of the memory the KV
+    pools are sized from: every (bucket, Q) graph keeps its output logits ([bucket, Q, vocab] in the model's dtype
+    and in float32) over the buckets up to max_batch (the target's Q = 1 .. k + 1, the draft's Q = 1), plus one
+    forward's working set at the largest shape (~24 hidden-sized and 3 intermediate-sized activations per token).
+    AN ESTIMATE, NOT YET MEASURED ON A GPU."""
+    largest = bucket_for(max_batch)
+    buckets = 2 * largest - 1  # 1 + 2 + 4 + ... + largest
+    total = 0
+    for model, q_lens in ((target, range(1, max_k + 2)), (draft, [1] if max_k else [])):
+        if model is None or not q_lens:
+            continue
+        cfg = model.config
+        width = next(model.parameters()).element_size()
+        total += buckets * sum(q_lens) * vocab_size * (width + 4)
+        hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0)
+        inter = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * hidden
+        total += largest * max(q_lens) * (24 * hidden + 3 * inter) * width
+    return total
 
 
 def bucket_for(batch: int) -> int:
@@ -101,9 +129,8 @@ class StaticForward:
             starts=(),
             first_blocks=(),
             window=runner.sliding_window,
-            gather=False,
         )
-        self.call = AttentionCall(self.backend, self.meta)
+        self.call = AttentionCall(runner.pools, self.meta, self.backend, self.backend.plan(self.meta))
         self.compiled: Callable[[], torch.Tensor] | None = None
 
     def compile(self, **options) -> None:
@@ -111,8 +138,24 @@ class StaticForward:
         no options: the device's COMPILE_OPTIONS."""
         if not options:
             options = COMPILE_OPTIONS.get(self.runner.device.type, COMPILE_OPTIONS["cpu"])
+        if self.runner.device.type == "cuda":
+            self.mark_static()
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.compiled = torch.compile(self.forward, fullgraph=True, dynamic=False, **options)
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the forward reads from or writes into in place: the model's pools and this forward's buffers."""
+        pools = self.runner.pools
+        return [*pools.keys, *pools.values, self.tokens, self.positions, self.block_tables, self.seq_lens,
+                self.slot_mapping, self.mask, self.offsets, self.keys]
+
+    def mark_static(self) -> None:
+        """Mark `static_tensors` as static addresses for CUDA graphs. mode="reduce-overhead" skips the graph (runs it
+        uncaptured, with only a log line) when it mutates an input whose address is not static, and this forward
+        writes the pools and its derived buffers in place; marked, they are captured as they are, never copied.
+        NOT YET RUN ON A GPU."""
+        for tensor in self.static_tensors():
+            torch._dynamo.mark_static_address(tensor)
 
     def load(self, tokens: torch.Tensor, starts: list[int], slots: list[int]) -> None:
         """Copy one call's inputs into the buffers (host -> device without a sync). tokens: [B, Q], B <= bucket."""
@@ -150,8 +193,7 @@ class StaticForward:
             input_ids=self.tokens,
             position_ids=model_positions,
             attention_mask=self.mask,
-            past_key_values=runner.cache,
-            use_cache=True,
+            use_cache=False,
             exspec_attention=self.call,
         ).last_hidden_state  # [bucket, Q, hidden]
         logits = runner.head(hidden)[..., : runner.vocab_size].float()  # [bucket, Q, vocab]
@@ -164,10 +206,10 @@ class StaticForward:
         """`ModelRunner.extend(tokens, starts, slots)` at static shapes: load, forward (compiled if `compile` was
         called), the first B rows of the logits."""
         self.load(tokens, starts, slots)
-        cache = self.runner.cache
-        cache.meta = self.meta
-        try:
-            logits = (self.compiled or self.forward)()  # [bucket, Q, vocab]
-        finally:
-            cache.meta = None
+        if self.compiled is not None and self.runner.device.type == "cuda":
+            # CUDA graphs: each call is a new step, and a replay overwrites the graph's output, so the rows wanted
+            # are copied out (NOT YET RUN ON A GPU)
+            torch.compiler.cudagraph_mark_step_begin()
+            return self.compiled()[: tokens.shape[0]].clone()
+        logits = (self.compiled or self.forward)()  # [bucket, Q, vocab]
         return logits[: tokens.shape[0]]

@@ -1,6 +1,14 @@
 """`attention_backend`: a test module that uses it (`pytestmark = pytest.mark.usefixtures("attention_backend")`)
 runs each of its tests with every attention backend that runs on the CPU (engine/backends/), `triton` under
-the Triton interpreter when triton is installed. Every engine the test builds with attention "auto" gets it."""
+the Triton interpreter when triton is installed. Every engine the test builds with attention "auto" gets it.
+
+`engine_compile`: a test module that uses it runs each test with `EngineConfig.compile` off and on (every engine
+built through `models.engine` / `models.config`; a test that builds its own EngineConfig reads `models.compile`).
+Compile on, the draft's and the verify's forwards run compiled at static shapes with their own attention backend
+(engine/static_forward.py), so compile-on cases run with the device's default backend only (prefill's backend is
+covered by the compile-off cases). Compiling costs ~0.5 s per (bucket, Q) forward, ~8 s per engine on the tiny
+models: by default only COMPILE_DEFAULT_CASES run compile on; EXSPEC_TEST_COMPILE=1 runs every compile-on case
+(and makes every other `models.engine` compile too)."""
 
 from __future__ import annotations
 
@@ -8,8 +16,11 @@ import importlib
 import os
 
 import pytest
+import torch
+from tests.support.models import TEST_COMPILE
 
 from exspec.engine import backends
+from exspec.engine.static_forward import StaticForward
 
 
 def torch_cuda_available() -> bool:
@@ -29,6 +40,8 @@ BACKEND_PARAMS = [
 def pytest_generate_tests(metafunc) -> None:
     if "attention_backend" in metafunc.fixturenames:
         metafunc.parametrize("attention_backend", BACKEND_PARAMS, indirect=True)
+    if "engine_compile" in metafunc.fixturenames:
+        metafunc.parametrize("engine_compile", [False, True], ids=["nocompile", "compiled"], indirect=True)
 
 
 @pytest.fixture
@@ -52,7 +65,61 @@ TRITON_TOO_SLOW_INTERPRETED = {
 }
 
 
+@pytest.fixture
+def engine_compile(request, models, monkeypatch) -> bool:
+    """Compile on: the test fails unless the engine's draft and verify forwards really ran compiled."""
+    on = request.param
+    monkeypatch.setattr(models, "compile", on)
+    if not on:
+        yield False
+        return
+    ran: list[bool] = []
+    run = StaticForward.run
+
+    def counted(self, *args, **kwargs):
+        ran.append(self.compiled is not None)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(StaticForward, "run", counted)
+    torch._dynamo.reset()  # each test compiles its own engines' forwards from scratch
+    yield True
+    torch._dynamo.reset()
+    assert ran and all(ran), "compile on: the draft and verify forwards did not run compiled"
+
+
+# Compile-on cases run by default (EXSPEC_TEST_COMPILE=1: all): test name -> the parameters a case must have. One
+# mixed batch of 16 per architecture (buckets 16 down to 1 as rows finish, partial acceptance: every rollback path)
+# and Mistral's sliding window.
+COMPILE_DEFAULT_CASES = {
+    "test_mixed_lengths_batch_matches_target": {"k": 3, "variant": "noisy"},
+    "test_sliding_window_attention_matches_target": {},
+}
+
+
+# Scenarios compile cannot run: test name -> why.
+COMPILE_NEVER = {"test_eager_attention_matches_target": "compile needs exspec's attention, not eager (EngineConfig refuses it)"}
+
+
+def _skip_compile_cases(items) -> None:
+    default_backend = backends.default_backend(torch.device("cpu"))
+    for item in items:
+        params = getattr(item, "callspec", None) and item.callspec.params
+        if not params or params.get("engine_compile") is not True:
+            continue
+        if item.originalname in COMPILE_NEVER:
+            item.add_marker(pytest.mark.skip(reason=COMPILE_NEVER[item.originalname]))
+            continue
+        if params.get("attention_backend", default_backend) != default_backend:
+            item.add_marker(pytest.mark.skip(reason="compile on: the static forwards use their own attention; "
+                                                    f"prefill's backend is covered compile off ({default_backend} only)"))
+            continue
+        wanted = COMPILE_DEFAULT_CASES.get(item.originalname)
+        if not TEST_COMPILE and (wanted is None or any(params.get(k) != v for k, v in wanted.items())):
+            item.add_marker(pytest.mark.skip(reason="compile on: a few cases by default (EXSPEC_TEST_COMPILE=1: all)"))
+
+
 def pytest_collection_modifyitems(config, items) -> None:
+    _skip_compile_cases(items)
     if TRITON_ALL:
         return
     seen: set[tuple[str, str]] = set()

@@ -33,3 +33,25 @@ def test_cpu_engines_load_models_with_exspec_sdpa(models):
     engine = models.engine("qwen3")
     assert engine.target.model.config._attn_implementation == NAME
     assert not engine.target.float_mask
+
+
+def test_models_built_elsewhere_are_switched_to_exspec_attention(models):
+    """A `ModelPair` handed to the engine whose models use transformers' own attention (sdpa, eager) is switched to
+    exspec's entry points, which write and read the pools; the output is still the target's."""
+    import copy
+
+    from tests.engine.test_engine_equivalence import MIXED, assert_matches_reference
+    from tests.support.driver import run_to_end
+
+    from exspec.engine import ModelPair, SamplingParams, SpecEngine
+    from exspec.engine.attention import EAGER_NAME
+
+    base = models.pair("llama")
+    target, draft = copy.deepcopy(base.target), copy.deepcopy(base.draft)
+    target.set_attn_implementation("sdpa")
+    draft.set_attn_implementation("eager")
+    pair = ModelPair(target, draft, base.tokenizer, base.vocab_size, base.eos_token_ids, "elsewhere")
+    engine = SpecEngine(models.config("llama", compile=False), pair=pair)
+    assert target.config._attn_implementation == NAME and draft.config._attn_implementation == EAGER_NAME
+    seqs, _ = run_to_end(engine, MIXED[:4], SamplingParams(max_tokens=10), 3)
+    assert_matches_reference(models, "llama", MIXED[:4], seqs, 10)

@@ -1,6 +1,6 @@
 """Attention backends (engine/backends/): each backend's forward over paged pools matches SDPA over the dense
-K/V (contiguous and scattered blocks, padding columns, grouped-query heads, sliding window); the cache writes
-through the slot mapping and hands attention the pools themselves; the registry resolves names; and every backend
+K/V (contiguous and scattered blocks, padding columns, grouped-query heads, sliding window); the attention entry
+point writes through the slot mapping and hands attention the pools themselves; the registry resolves names; and every backend
 that runs here gives the target's own greedy output in the scenarios that exercise the pools."""
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from tests.support.models import random_prompts
 
 from exspec.cli.settings import attention_backends
 from exspec.engine import SamplingParams, backends
-from exspec.engine.kv_cache import ForwardMeta, PagedKVCache
+from exspec.engine.attention import AttentionCall, gqa_sdpa_forward
+from exspec.engine.kv_cache import ForwardMeta, KVPools, gather_kv
 from exspec.engine.runner import resolve_attention
-from exspec.errors import ExspecError
+from exspec.errors import ExspecError, ModelLoadError
 
 CPU = torch.device("cpu")
 
@@ -86,26 +87,41 @@ def test_backend_forward_matches_sdpa_over_dense_kv(backend, q_len, window):
 
 
 @torch.inference_mode()
-def test_update_writes_through_the_slot_mapping_and_returns_the_pools(models):
+def test_attention_entry_point_writes_through_the_slot_mapping_and_hands_the_backend_the_pools(models):
     config = models.pair("llama").target.config
-    cache = PagedKVCache(config, num_blocks=6, block_size=4, dtype=torch.float32, device=CPU)
+    pools = KVPools(config, num_blocks=6, block_size=4, dtype=torch.float32, device=CPU)
     layers, kv_heads, dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-    assert len(cache.keys) == layers and cache.keys[0].shape == (7, 4, kv_heads, dim)
+    assert len(pools.keys) == layers and pools.keys[0].shape == (7, 4, kv_heads, dim)
     k = torch.randn(2, kv_heads, 3, dim)  # [B, kv_heads, Q, dim]
     v = torch.randn(2, kv_heads, 3, dim)
     tables = torch.tensor([[3, 5], [2, 0]], dtype=torch.int32)
     # row 0 at positions 3, 4, 5 (blocks 3, 5); row 1 at 0, 1, 2 (block 2)
     mapping = torch.tensor([3 * 4 + 3, 5 * 4 + 0, 5 * 4 + 1, 2 * 4 + 0, 2 * 4 + 1, 2 * 4 + 2])
-    cache.meta = ForwardMeta(mapping, tables, torch.tensor([6, 3], dtype=torch.int32), None, 6, 3, (3, 0), (-1, 2), None)
-    keys, values = cache.update(k, v, 0)
-    assert keys is cache.keys[0] and values is cache.values[0]  # no copy: the pool itself
+    meta = ForwardMeta(mapping, tables, torch.tensor([6, 3], dtype=torch.int32), None, 6, 3, (3, 0), (-1, 2), None)
+
+    seen = {}
+
+    class Spy(backends.AttentionBackend):
+        def forward(self, query, k_cache, v_cache, plan, scale):
+            seen.update(keys=k_cache, values=v_cache, plan=plan)
+            return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+
+    layer = torch.nn.Module()
+    layer.layer_idx = 1  # the entry point writes the pools of the layer that calls it
+    query = torch.randn(2, 2 * kv_heads, 3, dim)  # [B, heads, Q, dim]
+    out, _ = gqa_sdpa_forward(layer, query, k, v, None, exspec_attention=AttentionCall(pools, meta, Spy(), "plan"))
+    assert out.shape == (2, 3, 2 * kv_heads, dim) and seen["plan"] == "plan"
+    keys, values = seen["keys"], seen["values"]
+    assert keys is pools.keys[1] and values is pools.values[1]  # no copy: the pool itself
+    assert not pools.keys[0].any()  # other layers untouched
     torch.testing.assert_close(keys[3, 3], k[0, :, 0])
     torch.testing.assert_close(keys[5, :2], k[0, :, 1:].transpose(0, 1))
     torch.testing.assert_close(values[2, :3], v[1].transpose(0, 1))
-    cache.meta.gather = True
-    keys, _ = cache.update(k, v, 0)  # gathered for attention that is not exspec's: [B, kv_heads, kv_len, dim]
-    assert keys.shape == (2, kv_heads, 6, dim) and keys.data_ptr() != cache.keys[0].data_ptr()
-    torch.testing.assert_close(keys[0, :, 3:6], k[0])
+    gathered = gather_kv(keys, meta)  # what the eager entry point reads: [B, kv_heads, kv_len, dim]
+    assert gathered.shape == (2, kv_heads, 6, dim) and gathered.data_ptr() != keys.data_ptr()
+    torch.testing.assert_close(gathered[0, :, 3:6], k[0])
+    with pytest.raises(ModelLoadError, match="no layer_idx"):
+        gqa_sdpa_forward(torch.nn.Module(), query, k, v, None, exspec_attention=AttentionCall(pools, meta, Spy(), None))
 
 
 def test_backend_registry_and_resolution(monkeypatch):
@@ -114,7 +130,7 @@ def test_backend_registry_and_resolution(monkeypatch):
     assert backends.default_backend(CPU) == "sdpa"
     assert resolve_attention("auto", CPU, "exspec_sdpa").name == "sdpa"
     assert resolve_attention("reference", CPU, "exspec_sdpa").name == "reference"
-    assert resolve_attention("sdpa", CPU, "eager") is None  # eager adds a float mask to gathered K/V
+    assert resolve_attention("sdpa", CPU, "exspec_eager") is None  # eager adds a float mask to gathered K/V
     with pytest.raises(ExspecError, match="attention backend must be auto or one of"):
         resolve_attention("paged", CPU, "exspec_sdpa")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -135,7 +151,7 @@ def test_mixed_lengths_at_scattered_slots_and_blocks_match_target(models, arch, 
     # final lengths run into a neighbour and continue elsewhere, so some rows' blocks are scattered.
     pair, block_size, k = models.pair(arch, "noisy"), 4, 3
     need = sum(-(-(len(p) + m + k + 1) // block_size) for p, m in zip(MIXED[:8], MIXED_MAX[:8])) + 4
-    per_block = sum(PagedKVCache.bytes_per_block(m.config, block_size, torch.float32) for m in (pair.target, pair.draft))
+    per_block = sum(KVPools.bytes_per_block(m.config, block_size, torch.float32) for m in (pair.target, pair.draft))
     engine = models.engine(arch, "noisy", attention=backend, block_size=block_size, kv_cache_memory=per_block * need)
     assert engine.target.attention == engine.draft.attention == backend
     # Occupy every other slot and a block between each first: the batch's slots are scattered.

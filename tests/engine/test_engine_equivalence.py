@@ -14,9 +14,11 @@ from tests.support.driver import admit, prefill, run_to_end, serve, step
 from tests.support.models import ARCHS, EOS, random_prompts
 
 from exspec.engine import EngineConfig, SamplingParams, SpecEngine
+from exspec.engine.static_forward import bucket_for
 
-# Every scenario runs with every attention backend that runs on the CPU (tests/engine/conftest.py).
-pytestmark = pytest.mark.usefixtures("attention_backend")
+# Every scenario runs with every attention backend that runs on the CPU, and with EngineConfig.compile off and on
+# (tests/engine/conftest.py: compile on, a few cases by default, all with EXSPEC_TEST_COMPILE=1).
+pytestmark = pytest.mark.usefixtures("attention_backend", "engine_compile")
 
 # 104 prompts of 1 to 200 tokens in a scrambled order; tests take slices so references are shared.
 LENGTHS = [1 + (i * 73) % 200 for i in range(104)]
@@ -52,6 +54,10 @@ def test_mixed_lengths_batch_matches_target(models, arch, k, variant):
     assert_matches_reference(models, arch, MIXED, seqs, MIXED_MAX)
     assert outs[1].kind == "mixed"
     assert all(out.num_draft_tokens == k for out in outs[1:])
+    if models.compile:  # the verify (and k > 1: the draft) ran static at each step's bucket, 16 down as rows finished
+        used = sorted(engine._static)  # (draft?, bucket, Q)
+        assert {q for _, _, q in used} == {k + 1} | ({1} if k > 1 else set())
+        assert {b for _, b, _ in used} == {bucket_for(out.batch_size) for out in outs[1:]} and 16 in {b for _, b, _ in used}
     if variant == "noisy":  # acceptance lengths differ per row: every catch-up and rollback path runs
         lengths = {o.num_accepted for out in outs[1:] for o in out.outputs}
         assert 0 in lengths and len(lengths) >= min(3, k + 1)
@@ -321,7 +327,7 @@ def test_eager_attention_matches_target(models):
     target, draft = models.dirs("qwen3")
     cfg = EngineConfig(model=target, draft_model=draft, attn_implementation="eager", max_model_len=320, max_num_seqs=16)
     engine = SpecEngine(cfg)
-    assert engine.pair.target.config._attn_implementation == "eager"
+    assert engine.pair.target.config._attn_implementation == "exspec_eager"  # the model family's eager, via the pools
     params = [SamplingParams(max_tokens=m) for m in MIXED_MAX]
     seqs, _ = run_to_end(engine, MIXED, params, 4)
     assert_matches_reference(models, "qwen3", MIXED, seqs, MIXED_MAX)
@@ -349,7 +355,7 @@ def test_k_above_the_configured_maximum_is_capped(models):
 
 def test_engine_without_draft_matches_target(models):
     target, _ = models.dirs("gpt2")
-    engine = SpecEngine(EngineConfig(model=target, max_num_seqs=16, max_model_len=320))
+    engine = SpecEngine(EngineConfig(model=target, max_num_seqs=16, max_model_len=320, compile=models.compile))
     assert not engine.has_draft
     params = [SamplingParams(max_tokens=m) for m in MIXED_MAX]
     seqs, outs = run_to_end(engine, MIXED, params, 4)

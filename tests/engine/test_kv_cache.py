@@ -71,7 +71,7 @@ def _poison(engine, live, gen: torch.Generator) -> None:
         for slot, s in owned.items():
             pos = torch.arange(bound(s))
             keep[torch.tensor(engine.blocks.blocks(slot), dtype=torch.long)[pos // bs] * bs + pos % bs] = True
-        for pool in runner.cache.keys + runner.cache.values:
+        for pool in runner.pools.keys + runner.pools.values:
             flat = pool.view(-1, *pool.shape[2:])  # [(num_blocks + 1) * block_size, kv_heads, head_dim]
             flat[~keep] = torch.randn(flat[~keep].shape, generator=gen) * 1e4
     for slot in range(engine.token_buf.shape[0]):
@@ -111,7 +111,7 @@ def test_poisoning_valid_kv_does_change_outputs(models):
     @torch.inference_mode()
     def poison_valid(engine, live):
         bs = engine.block_size
-        for pool in engine.target.cache.keys + engine.target.cache.values:
+        for pool in engine.target.pools.keys + engine.target.pools.values:
             for s in live:
                 p = s.length - 2
                 pool[engine.blocks.blocks(s.slot)[p // bs], p % bs] = 1e4
@@ -287,11 +287,11 @@ def test_random_grow_and_free_against_a_reference(seed):
 
 def _engine_with_blocks(models, num_blocks: int, **overrides):
     """An engine whose pool holds exactly num_blocks blocks (kv_cache_memory in bytes)."""
-    from exspec.engine.kv_cache import PagedKVCache
+    from exspec.engine.kv_cache import KVPools
 
     pair = models.pair("llama", overrides.pop("variant", "noisy"))
     bs = overrides.get("block_size", 16)
-    per_block = sum(PagedKVCache.bytes_per_block(m.config, bs, torch.float32) for m in (pair.target, pair.draft))
+    per_block = sum(KVPools.bytes_per_block(m.config, bs, torch.float32) for m in (pair.target, pair.draft))
     engine = models.engine("llama", "noisy", kv_cache_memory=per_block * num_blocks, **overrides)
     assert engine.num_blocks == num_blocks
     return engine

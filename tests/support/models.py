@@ -9,6 +9,7 @@ Tiny random model pairs are built offline with `tiny_models.py` (once per sessio
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -22,6 +23,9 @@ from tests.support import tiny_models
 torch.set_num_threads(1)  # tiny models: threads only add contention on a shared CI machine
 
 ARCHS = ("llama", "qwen3", "mistral", "gpt2")
+# EXSPEC_TEST_COMPILE=1: every engine a test builds through `Models` runs with EngineConfig.compile (the draft's and
+# the verify's forwards compiled at static shapes), and every compile-on equivalence case runs (tests/engine/conftest.py).
+TEST_COMPILE = os.environ.get("EXSPEC_TEST_COMPILE", "") not in ("", "0")
 VOCAB = 320  # tiny_models' default vocabulary
 EOS = 2  # "</s>": eos_token_id of every tiny model
 
@@ -64,6 +68,7 @@ class Models:
         self._ref_models: dict[tuple[str, str], torch.nn.Module] = {}
         self._refs: dict[tuple, tuple[int, list[int]]] = {}  # key -> (max_new_tokens run, output)
         self._eos: dict[tuple, list[list[int]]] = {}
+        self.compile = TEST_COMPILE  # EngineConfig.compile of the engines built here (tests/engine/conftest.py sets it)
 
     # ------------------------------------------------------------------ building and loading
 
@@ -82,7 +87,7 @@ class Models:
 
     def config(self, arch: str, variant: str = "draft", **overrides) -> EngineConfig:
         target, draft = self.dirs(arch, variant)
-        fields = dict(max_num_seqs=16, max_model_len=320, max_num_speculative_tokens=8)
+        fields = dict(max_num_seqs=16, max_model_len=320, max_num_speculative_tokens=8, compile=self.compile)
         fields.update(overrides)
         return EngineConfig(model=target, draft_model=draft, **fields)
 

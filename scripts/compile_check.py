@@ -1,0 +1,132 @@
+"""Compile (capture) on against off, end to end: the same prompts through the same model pair with
+`EngineConfig.compile` off and on, greedy, at each batch size; the outputs compared token by token and the decode
+throughput of both, the first (compiling) run timed apart. Writes compile_check.json and compile_check.md.
+
+    python scripts/compile_check.py --synthetic 1b --device cuda --dtype bfloat16 --batch-sizes 1,8,32 --out DIR
+    python scripts/compile_check.py --synthetic tiny --batch-sizes 1,2 --max-tokens 8    (a CPU smoke: seconds)
+
+On the CPU compile on is a capturability proof (`aot_eager`), not a speed-up. On CUDA it compiles the static draft
+and verify forwards with mode="reduce-overhead" (CUDA graphs): NOT YET RUN ON A GPU when this was written; this
+script is how scripts/gpu_check.sh measures it. In fp32 the outputs must be identical; in bf16 a padded bucket
+changes GEMM shapes, so outputs may differ at near-ties only: a divergence whose reference top-2 logit gap is above
+exspec.bench.equivalence.NEAR_TIE_EPS fails the check (exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from exspec.bench.equivalence import NEAR_TIE_EPS, first_divergence
+from exspec.bench.synthetic import DEFAULT_CACHE, SHAPES, ensure_synthetic_pair
+from exspec.engine import EngineConfig, SamplingParams, SpecEngine
+from exspec.engine.loader import load_model_pair
+from exspec.scheduler import SchedulerConfig, generate_offline
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def _run(engine, prompts, max_tokens, batch, k):
+    config = SchedulerConfig(max_batch_size=batch, pool_size=batch, num_speculative_tokens=k, speculation="fixed")
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    results, summary = generate_offline(engine, prompts, [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * len(prompts), config)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    return [r.token_ids for r in results], summary, time.perf_counter() - start
+
+
+def _near_tie(model, prompt, ref, pos, vocab, eps) -> tuple[bool, float]:
+    with torch.inference_mode():
+        ids = torch.tensor([prompt + ref[:pos]], device=next(model.parameters()).device)
+        logits = model(ids).logits[0, -1, :vocab].float()
+    top2 = torch.topk(logits, 2).values
+    gap = float(top2[0] - top2[1])
+    return gap < eps, gap
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--synthetic", choices=sorted(SHAPES), default="tiny")
+    p.add_argument("--synthetic-cache", type=Path, default=DEFAULT_CACHE)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 elsewhere")
+    p.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32])
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--prompts-per-batch", type=int, default=2, help="prompts = this x B (default: 2)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--out", type=Path, default=Path("compile-check"))
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    target_dir, draft_dir, info = ensure_synthetic_pair(args.synthetic, args.synthetic_cache, device=args.device)
+    fields = dict(model=target_dir, draft_model=draft_dir, device=args.device, dtype=dtype,
+                  max_num_seqs=max(args.batch_sizes), max_model_len=256 + args.max_tokens,
+                  max_num_speculative_tokens=args.num_speculative_tokens)
+    pair = load_model_pair(EngineConfig(**fields))
+    vocab = pair.vocab_size
+    eps = NEAR_TIE_EPS.get(dtype, 0.0) if dtype not in ("float32", "fp32") else 0.0
+    rng = random.Random(0)
+    rows, ok = [], True
+    for batch in args.batch_sizes:
+        prompts = [[rng.randrange(4, vocab) for _ in range(rng.randint(8, 200))] for _ in range(args.prompts_per_batch * batch)]
+        out = {}
+        for compile_on in (False, True):
+            engine = SpecEngine(EngineConfig(**fields, compile=compile_on), pair=pair)
+            first_tokens, _, first_s = _run(engine, prompts, args.max_tokens, batch, args.num_speculative_tokens)
+            tokens, summary, wall = _run(engine, prompts, args.max_tokens, batch, args.num_speculative_tokens)
+            assert tokens == first_tokens, "the same engine gave two outputs for the same prompts"
+            out[compile_on] = dict(tokens=tokens, first_s=first_s, wall_s=wall, decode_s=summary.decode_seconds,
+                                   decode_tok_s=summary.num_decode_tokens / summary.decode_seconds if summary.decode_seconds else 0.0,
+                                   acceptance=summary.mean_acceptance_length, static_forwards=len(engine._static))
+        identical, near_ties, real = 0, 0, []
+        for prompt, a, b in zip(prompts, out[False]["tokens"], out[True]["tokens"]):
+            pos = first_divergence(b, a)
+            if pos is None:
+                identical += 1
+                continue
+            tie, gap = _near_tie(pair.target, prompt, a, pos, vocab, eps) if eps else (False, float("nan"))
+            near_ties += tie
+            if not tie:
+                real.append({"position": pos, "top2_gap": gap})
+        ok &= not real
+        row = {"batch": batch, "prompts": len(prompts), "identical": identical, "near_ties": near_ties, "real_divergences": real}
+        for on, name in ((False, "off"), (True, "on")):
+            r = out[on]
+            row.update({f"{name}_first_s": round(r["first_s"], 3), f"{name}_wall_s": round(r["wall_s"], 3),
+                        f"{name}_decode_tok_s": round(r["decode_tok_s"], 1), f"{name}_acceptance": round(r["acceptance"], 3)})
+        row["static_forwards"] = out[True]["static_forwards"]
+        row["compile_s"] = round(out[True]["first_s"] - out[True]["wall_s"], 3)  # the first run's extra time
+        row["speedup"] = round(out[True]["decode_tok_s"] / out[False]["decode_tok_s"], 3) if out[False]["decode_tok_s"] else None
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    env = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "torch": torch.__version__,
+           "dtype": dtype, "synthetic": info.get("name"), "k": args.num_speculative_tokens, "max_tokens": args.max_tokens}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "compile_check.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1) + "\n")
+    lines = [f"# compile on vs off: {env['synthetic']} pair, {env['dtype']}, {env['device']}, k = {env['k']}, "
+             f"{env['max_tokens']} new tokens per prompt", "",
+             "| B | prompts | identical | near-ties | real divergences | off tok/s | on tok/s | on / off | compile s (first run extra) | static forwards |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['batch']} | {r['prompts']} | {r['identical']} | {r['near_ties']} | {len(r['real_divergences'])} | "
+                     f"{r['off_decode_tok_s']} | {r['on_decode_tok_s']} | {r['speedup']} | {r['compile_s']} | {r['static_forwards']} |")
+    (args.out / "compile_check.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
