@@ -36,8 +36,17 @@ def _engine_with_rows(models, arch: str, variant: str, rows: int):
     lengths = [13, 5, 21, 9][:rows]
     prompts = random_prompts(lengths, seed=11)
     blocks = engine.blocks
-    for n in range(1, 1 + max(blocks.blocks_for(n + K + 1) for n in lengths)):  # interleave the slots' blocks
-        blocks.grow([(s, min(n, blocks.blocks_for(length + K + 1))) for s, length in enumerate(lengths)])
+    need = [blocks.blocks_for(length + K + 1) for length in lengths]
+    ids: list[list[int]] = [[] for _ in lengths]
+    next_id = 1
+    for i in range(max(need)):  # interleave the slots' blocks: block i of each row in turn
+        for s in range(len(lengths)):
+            if i < need[s]:
+                ids[s].append(next_id)
+                next_id += 1
+    for s, row in enumerate(ids):
+        blocks.assign(s, row)
+    assert rows == 1 or blocks.first_contiguous_block(0, lengths[0]) == -1  # row 0's blocks are not contiguous
     for slot, prompt in enumerate(prompts):
         tokens = torch.tensor([prompt])
         for runner in (engine.target, engine.draft):
