@@ -2,11 +2,11 @@
 
 On the CPU, over a few rows (a verify of k + 1 positions, a batch of rows) MKL's sgemm throughput barely rises,
 while oneDNN with its weights reordered once into its blocked layout runs 2x to 3x faster (docs/BENCHMARKS-HISTORY.md,
-"Few-row GEMM"). One row is memory-bound: in real decoding of a 350M model (weights far larger than the caches)
-sgemm is 1.24x faster than the packed weight on 1 torch thread, and 1.21x slower on 2, where oneDNN uses both
-cores and sgemm's one-row path does not ("One-row forwards"). `PackedLinear` keeps both: one row goes to
-`F.linear` on 1 thread, everything else to the prepacked weight. The price is a second copy of every linear
-weight (kept beside the original, which tied embeddings still share).
+"Few-row GEMM"). One row gains too: on 1 torch thread (AMD EPYC, AVX2, torch 2.13) the prepacked weight is 1.5x to
+1.8x faster than sgemm's one-row path for the 350m shapes, caches exceeded (docs/BENCHMARKS.md section 3, "One-row
+forwards"; an earlier measurement that found sgemm 1.24x faster for one row on one thread does not reproduce), so
+every forward goes to the prepacked weight. The price is a second copy of every linear weight (kept beside the
+original, which tied embeddings still share).
 
 Selected by `prepack_linears` at load (`EngineConfig.gemm`, flag `--gemm`: "auto" packs float32 models on the
 CPU; "default" turns it off). Numbers differ from sgemm by float rounding only (a different summation order).
@@ -33,8 +33,8 @@ class _Packed:
 
 
 class PackedLinear(torch.nn.Module):
-    """A drop-in `nn.Linear` (same `weight` / `bias` parameters) with a oneDNN-prepacked copy (every forward
-    but one row on one thread).
+    """A drop-in `nn.Linear` (same `weight` / `bias` parameters) with a oneDNN-prepacked copy used by every
+    eager forward.
     The copy is refreshed whenever the weight is modified in place (its version counter moves)."""
 
     def __init__(self, linear: torch.nn.Linear, max_rows: int = 64) -> None:
@@ -56,7 +56,7 @@ class PackedLinear(torch.nn.Module):
         rows = x.numel() // self.in_features
         # Under torch.compile (engine/static_forward.py) the plain linear: the prepacked copy's lazy refresh is a
         # Python side effect a graph cannot hold (the compiler does its own weight layouts).
-        if torch.compiler.is_compiling() or (rows <= 1 and torch.get_num_threads() == 1):
+        if torch.compiler.is_compiling():
             return torch.nn.functional.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)  # [rows, in]
         out = torch.ops.mkldnn._linear_pointwise(flat, self._packed_weight(), self.bias, "none", [], "")  # [rows, out]
