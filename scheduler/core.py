@@ -88,6 +88,7 @@ class SchedulerCore:
         self._by_seq: dict[int, Request] = {}  # engine sequence id -> request, while admitted
         self._next_seq_id = 0
         self._prefill_credit = 0.0  # seconds of engine time prefill may still take before decode's turn
+        self._decoded_last = False  # the last step was a decode step (a prefill chunk may fill its free places)
         self._pending: list[Delta] = []  # deltas of requests that failed outside a step's results
         self.num_left_waiting = 0  # requests that left `waiting` (admitted or aborted): monotonic
         self.num_preemptions = 0  # running sequences sent back to `waiting` to be recomputed: monotonic
@@ -149,12 +150,17 @@ class SchedulerCore:
         running = [r for r in self.pool if r.state is RequestState.RUNNING]
         deltas: list[Delta] = []
         stats: list[StepStats] = []
-        prefill = bool(prefilling) and (not running or self._prefill_credit >= 0.0)
+        # Prefill runs when nothing decodes, when its time share allows, or, once after each decode step, when
+        # the decode batch has free places (fewer running rows than max_batch_size): a decode step costs about
+        # the same with a few rows more, so filling it is throughput, and one chunk keeps the gap bounded.
+        underfilled = len(running) < self.config.max_batch_size and self._decoded_last
+        prefill = bool(prefilling) and (not running or self._prefill_credit >= 0.0 or underfilled)
         if prefill:
             deltas, stats = self._prefill_step(prefilling, t0)
         elif running:
             deltas, stats = self._decode_step(running, t0)
         self._share_time(bool(prefilling and running), prefill, stats)
+        self._decoded_last = bool(stats) and not prefill
         pending, self._pending = self._pending, []
         return pending + deltas, stats
 

@@ -135,3 +135,25 @@ def test_running_streams_keep_a_bounded_gap_while_a_long_prompt_is_prefilled(k):
         assert max(gaps) <= bound + 1e-9, (i, max(gaps), bound)
     prefill_s = 4000 / 512 * chunk
     assert run.emitted["99"][0] - start <= prefill_s / PREFILL_TIME_SHARE + decode + 1e-9
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_a_decode_batch_with_free_places_gets_a_prefill_chunk_first(k):
+    """A pool of max_batch_size rows (as `exspec bench` runs target-ar): a row finishes and a 1200-token prompt
+    (3 chunks) takes its place. While the decode batch has that free place, each decode step is followed by a
+    chunk (the time share alone would run about a chunk's time of 3-row decode steps between chunks), so the
+    place is filled sooner and running rows still wait at most one chunk between two decode steps."""
+    run = Run(k, max_batch_size=4, pool_size=4, max_prefill_tokens=512)
+    for i, max_tokens in enumerate((4, 200, 200, 200)):
+        run.add(_req(i, 20, max_tokens))
+    run.add(_req(4, 1200, 20))  # admitted when row 0 finishes
+    streak, worst, chunks = 0, 0, 0
+    while run.core.has_work():
+        awaiting = any(r.num_prefilled < r.prompt_len for r in run.core.pool)  # admitted, not prefilled yet
+        _, stats = run.core.step()
+        if stats and stats[0].kind == "prefill":
+            streak, chunks = 0, chunks + (stats[0].num_prompt_tokens >= 176)  # the long prompt's chunks
+        elif stats and awaiting and stats[0].batch_size < 4:
+            streak += 1
+            worst = max(worst, streak)
+    assert chunks == 3 and worst == 1, (chunks, worst)
