@@ -28,6 +28,8 @@ log = logging.getLogger("exspec.scheduler")
 
 PREFILL_TIME_SHARE = 0.5  # of the engine's time that waiting prompts get while sequences decode
 MIN_STEP_S = 1e-6  # a step reported as taking no time is charged this much (equal costs: steps alternate)
+MIN_PREFILL_CHUNK = 16  # tokens a prefill step may always take, whatever max_prefill_chunk_s allows
+PREFILL_SPEED_DECAY = 0.3  # weight of the newest prefill step in the measured seconds per prefill token
 
 
 class EngineProtocol(Protocol):
@@ -89,6 +91,7 @@ class SchedulerCore:
         self._next_seq_id = 0
         self._prefill_credit = 0.0  # seconds of engine time prefill may still take before decode's turn
         self._decoded_last = False  # the last step was a decode step (a prefill chunk may fill its free places)
+        self._prefill_s_per_token = 0.0  # measured prefill speed (padding included); 0: not measured yet
         self._pending: list[Delta] = []  # deltas of requests that failed outside a step's results
         self.num_left_waiting = 0  # requests that left `waiting` (admitted or aborted): monotonic
         self.num_preemptions = 0  # running sequences sent back to `waiting` to be recomputed: monotonic
@@ -156,7 +159,7 @@ class SchedulerCore:
         underfilled = len(running) < self.config.max_batch_size and self._decoded_last
         prefill = bool(prefilling) and (not running or self._prefill_credit >= 0.0 or underfilled)
         if prefill:
-            deltas, stats = self._prefill_step(prefilling, t0)
+            deltas, stats = self._prefill_step(prefilling, t0, self._prefill_budget(bool(running)))
         elif running:
             deltas, stats = self._decode_step(running, t0)
         self._share_time(bool(prefilling and running), prefill, stats)
@@ -170,7 +173,7 @@ class SchedulerCore:
         prefill step spends its own; prefill runs while the credit is >= 0. So waiting prompts get
         PREFILL_TIME_SHARE of the engine's time however long a decode step is (drafting makes it longer),
         and a running sequence waits between two decode steps at most one decode step's worth of prefill
-        plus one chunk (bounded by max_prefill_tokens). Times are the engine's reported forward seconds."""
+        plus one chunk (bounded by max_prefill_tokens and, while sequences decode, by max_prefill_chunk_s). Times are the engine's reported forward seconds."""
         if not contended:  # nothing to share: the next contention starts even
             self._prefill_credit = 0.0
             return
@@ -258,8 +261,18 @@ class SchedulerCore:
         return (f"a prompt of {length} tokens needs {need} KV blocks of {self.engine.block_size} positions; "
                 f"the KV cache has {self.engine.num_blocks} in all")
 
-    def _prefill_step(self, prefilling: list[Request], t0: float) -> tuple[list[Delta], list[StepStats]]:
-        n, width = plan_prefill([r.prompt_len - r.num_prefilled for r in prefilling], self.config.max_prefill_tokens)
+    def _prefill_budget(self, contended: bool) -> int:
+        """Tokens (rows x width) the next prefill step may take: max_prefill_tokens, cut while sequences decode
+        to about max_prefill_chunk_s at the measured prefill speed (so a running stream waits at most about
+        that long for a chunk), but never below MIN_PREFILL_CHUNK (the prompt still moves)."""
+        budget = self.config.max_prefill_tokens
+        if contended and self.config.max_prefill_chunk_s > 0 and self._prefill_s_per_token > 0:
+            fits = int(self.config.max_prefill_chunk_s / self._prefill_s_per_token)
+            budget = min(budget, max(MIN_PREFILL_CHUNK, fits))
+        return budget
+
+    def _prefill_step(self, prefilling: list[Request], t0: float, budget: int) -> tuple[list[Delta], list[StepStats]]:
+        n, width = plan_prefill([r.prompt_len - r.num_prefilled for r in prefilling], budget)
         reqs = prefilling[:n]
         draft = self.speculation.drafting()  # False: the policy runs without drafts; steps that draft catch up
         ends = {r.seq_id: min(r.prompt_len, r.num_prefilled + width) for r in reqs}  # seq_id -> end of this chunk
@@ -279,7 +292,16 @@ class SchedulerCore:
             new, kept = self._emit(batch, out)
             deltas += new
             stats.append(self._stats(out, t1 - t0, fed, kept))
+            self._measure_prefill(out.draft_s + out.verify_s, len(batch) * width)
         return deltas, stats
+
+    def _measure_prefill(self, seconds: float, tokens: int) -> None:
+        """Seconds per prefill token (rows x width: padding costs what a token costs), decayed."""
+        if seconds <= 0 or tokens <= 0:
+            return
+        rate = seconds / tokens
+        old = self._prefill_s_per_token
+        self._prefill_s_per_token = rate if old == 0 else old + PREFILL_SPEED_DECAY * (rate - old)
 
     def _decode_step(self, running: list[Request], t0: float) -> tuple[list[Delta], list[StepStats]]:
         cands = [Candidate(i, r.length, r.waited, r.order) for i, r in enumerate(running)]

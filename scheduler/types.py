@@ -25,6 +25,10 @@ class SchedulerConfig:
     min_group_size: int = 0  # a same-length group smaller than this runs as a mixed batch; 0: B // 2 (at least 2)
     max_wait_steps: int = 8  # aging: a running sequence waits at most this many decode steps
     max_prefill_tokens: int = 512  # rows x width of a prefill step at most, padding included (chunked beyond it)
+    # While sequences decode, a prefill step is also cut to about this many seconds at the prefill speed measured
+    # so far (seconds per token, padding included), so that a running stream's gap between two tokens stays short
+    # where a prefill of max_prefill_tokens is slow (a CPU); 0: no cut.
+    max_prefill_chunk_s: float = 0.15
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str, value: object) -> None:
@@ -46,6 +50,8 @@ class SchedulerConfig:
             bad("max_wait_steps", ">= 1", self.max_wait_steps)
         if self.max_prefill_tokens < 1:
             bad("max_prefill_tokens", ">= 1", self.max_prefill_tokens)
+        if not self.max_prefill_chunk_s >= 0:
+            bad("max_prefill_chunk_s", ">= 0", self.max_prefill_chunk_s)
 
     @property
     def group_threshold(self) -> int:

@@ -23,13 +23,14 @@ class TimedEngine(FakeEngine):
     """FakeEngine whose prefill reports time proportional to the tokens (padding included) and whose
     decode step reports DECODE_S + k * DRAFT_S."""
 
-    def __init__(self, **kw):
+    def __init__(self, prefill_s_per_token: float = PREFILL_S_PER_TOKEN, **kw):
         super().__init__(step_seconds=lambda n, k: DECODE_S + k * DRAFT_S, accept=lambda s, k: k, **kw)
+        self.prefill_s_per_token = prefill_s_per_token
 
     def prefill(self, batch):
         out = super().prefill(batch)
         width = max(c.end - c.start for c in batch.chunks)
-        return replace(out, draft_s=0.0, verify_s=len(batch.chunks) * width * PREFILL_S_PER_TOKEN)
+        return replace(out, draft_s=0.0, verify_s=len(batch.chunks) * width * self.prefill_s_per_token)
 
 
 def _req(i: int, prompt_len: int, max_tokens: int) -> Request:
@@ -41,8 +42,8 @@ class Run:
     """Drives a core step by step on the simulated clock; records when each request emitted tokens and how
     the engine's time went to prefill and decode while both had work."""
 
-    def __init__(self, k: int, **cfg):
-        self.engine = TimedEngine(num_slots=128, max_model_len=10_000)
+    def __init__(self, k: int, prefill_s_per_token: float = PREFILL_S_PER_TOKEN, **cfg):
+        self.engine = TimedEngine(prefill_s_per_token, num_slots=128, max_model_len=10_000)
         config = SchedulerConfig(num_speculative_tokens=k, speculation="fixed", **cfg)
         self.core = SchedulerCore(self.engine, config)
         self.now = 0.0
@@ -157,3 +158,32 @@ def test_a_decode_batch_with_free_places_gets_a_prefill_chunk_first(k):
             streak += 1
             worst = max(worst, streak)
     assert chunks == 3 and worst == 1, (chunks, worst)
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_a_slow_prefill_is_cut_to_seconds_while_streams_run(k):
+    """A device where a prefill chunk of max_prefill_tokens takes 1 s (2 ms a token; SmolLM2 on one CPU core
+    is about 3 to 6 ms): while 8 streams run, a 4000-token prompt is prefilled in chunks of about
+    max_prefill_chunk_s at the measured speed, so no stream waits more than a decode step, its credit of prefill
+    and one such chunk between two tokens; with the cut off, the same arrival leaves a gap over 1 s."""
+    slow = 0.002
+    decode = DECODE_S + k * DRAFT_S
+
+    def longest_gap(chunk_s: float) -> float:
+        run = Run(k, slow, max_batch_size=8, pool_size=16, max_prefill_tokens=512, max_prefill_chunk_s=chunk_s)
+        for i in range(8):
+            run.add(_req(i, 20, 10_000))
+        run.until(lambda: len(run.emitted) == 8)
+        start = run.now
+        run.add(_req(99, 4000, 4))
+        run.until(lambda: "99" in run.emitted)
+        assert run.emitted["99"][0] - start <= 4000 * slow / PREFILL_TIME_SHARE + 2 * (decode + chunk_s) + 0.05
+        gaps = []
+        for i in range(8):
+            times = [t for t in run.emitted[str(i)] if start <= t <= run.emitted["99"][0]]
+            gaps += [b - a for a, b in zip(times, times[1:])]
+        return max(gaps)
+
+    chunk_s = 0.15
+    assert longest_gap(chunk_s) <= decode + (decode + chunk_s) + 1e-9
+    assert longest_gap(0.0) >= 512 * slow
