@@ -95,8 +95,12 @@ class Lifecycle:
     # ----------------------------------------------------------------- for request handlers
 
     async def until_killed(self, source: AsyncIterator) -> AsyncIterator:
-        """`source`'s items until it ends, or ServerKilled as soon as the server is killed."""
+        """`source`'s items until it ends, or ServerKilled as soon as the server is killed. Closes `source`
+        however it ends. When the consumer is cancelled (a client disconnect) while a read of `source` is
+        pending, that read is cancelled and `source` is closed once it has left its await: closing it under
+        the pending read would fail ('asynchronous generator is already running')."""
         killed = asyncio.ensure_future(self.killed.wait())
+        step = None
         try:
             while True:
                 step = asyncio.ensure_future(anext(source))
@@ -112,6 +116,30 @@ class Lifecycle:
                 yield item
         finally:
             killed.cancel()
+            if step is not None and not step.done():
+                step.cancel()
+                step.add_done_callback(lambda t: _close_soon(source, t))
+            else:
+                await source.aclose()
+
+
+_closing: set[asyncio.Task] = set()  # closes scheduled by until_killed, referenced until done
+
+
+def _close_soon(source, read: asyncio.Future) -> None:
+    """After the cancelled `read` of `source` is done: close `source` from a task of its own (nothing awaits
+    it; errors are logged, not raised)."""
+    if not read.cancelled():
+        read.exception()  # retrieved: the read ended on its own (an item, the end, an error) before the cancel
+    task = asyncio.ensure_future(source.aclose())
+    _closing.add(task)
+
+    def done(t: asyncio.Task) -> None:
+        _closing.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            logger.warning("closing a stream's deltas failed: %r", t.exception())
+
+    task.add_done_callback(done)
 
 
 def make_server(app, host: str, port: int, log_level: str = "info"):

@@ -445,7 +445,7 @@ class OpenAIServing:
             for event in opening:
                 yield event
             failed = None
-            async with aclosing(gen.deltas()) as deltas, aclosing(self.lifecycle.until_killed(deltas)) as items:
+            async with aclosing(self.lifecycle.until_killed(gen.deltas())) as items:  # it closes the deltas
                 async for choice, out in items:
                     if out.finished and out.finish_reason == "error":
                         failed = out.error

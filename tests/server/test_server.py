@@ -220,6 +220,30 @@ def test_disconnect_mid_stream_frees_the_slot(srv):
     assert after == before + 1
 
 
+def test_disconnect_mid_stream_is_an_abort_not_an_error(srv, monkeypatch, caplog):
+    """The client leaves while its stream waits for the next delta (steps held by a gate): the request is
+    aborted quietly, with no 'streaming ... failed' error logged (the pending read of the next delta used to be
+    left running, and closing the delta generator under it raised 'aclose(): asynchronous generator is already
+    running')."""
+    gate, aborted = threading.Event(), threading.Event()
+    gate.set()
+    monkeypatch.setattr(srv.engine, "step", gated(srv.engine.step, gate))
+    monkeypatch.setattr(srv.scheduler, "abort", signalling(srv.scheduler.abort, aborted))
+    body = {"prompt": [5, 6, 7], "max_tokens": MAX_LEN - 4, "temperature": 0, "ignore_eos": True, "stream": True}
+    caplog.set_level("WARNING", logger="exspec")
+    try:
+        with httpx.stream("POST", srv.v1 + "/completions", json=body, timeout=30) as resp:
+            assert resp.status_code == 200
+            assert next(line for line in resp.iter_lines() if line.startswith("data:"))
+            gate.clear()  # no further delta can come: the server waits for one when the client leaves
+        assert aborted.wait(30), "the server did not abort the request of a client that left"
+    finally:
+        gate.set()
+    assert srv.wait_idle(30)
+    errors = [r for r in caplog.records if r.levelname == "ERROR" or "Traceback" in r.getMessage()]
+    assert not errors, [r.getMessage() for r in errors]
+
+
 def test_disconnect_while_waiting_for_non_stream_response(srv, monkeypatch):
     """Steps are held until the server has aborted the request: the answer cannot come before the client
     leaves, and the request must end as an abort (not run to its length) however fast the machine is."""
