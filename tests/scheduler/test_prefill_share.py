@@ -114,18 +114,25 @@ def test_a_burst_waits_no_longer_for_its_first_token_with_speculation():
     assert max(ttft_spec) <= max(ttft_plain) + DECODE_S + 4 * DRAFT_S, (max(ttft_plain), max(ttft_spec))
 
 
-@pytest.mark.parametrize("k", [0, 4])
-def test_running_streams_keep_a_bounded_gap_while_a_long_prompt_is_prefilled(k):
-    """8 streams run; a 4000-token prompt arrives (8 chunks of 512 tokens). No running stream waits more
-    than one decode step's worth of prefill plus one chunk between two decode steps, and the long prompt
-    still gets its share: its first token comes within twice its prefill time plus one decode step."""
-    run = Run(k, max_batch_size=8, pool_size=16, max_prefill_tokens=512)
+def _long_prompt_beside_streams(k: int, prefill_s_per_token: float = PREFILL_S_PER_TOKEN, **cfg) -> tuple[Run, float]:
+    """8 streams decoding, then a 4000-token prompt (request "99") run until its first token; returns the run
+    and the simulated time the prompt arrived."""
+    run = Run(k, prefill_s_per_token, max_batch_size=8, pool_size=16, max_prefill_tokens=512, **cfg)
     for i in range(8):
         run.add(_req(i, 20, 10_000))
     run.until(lambda: len(run.emitted) == 8)
     start = run.now
     run.add(_req(99, 4000, 4))
     run.until(lambda: "99" in run.emitted)
+    return run, start
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_running_streams_keep_a_bounded_gap_while_a_long_prompt_is_prefilled(k):
+    """8 streams run; a 4000-token prompt arrives (8 chunks of 512 tokens). No running stream waits more
+    than one decode step's worth of prefill plus one chunk between two decode steps, and the long prompt
+    still gets its share: its first token comes within twice its prefill time plus one decode step."""
+    run, start = _long_prompt_beside_streams(k)
     run.until(lambda: run.now >= run.emitted["99"][0] + 0.1)  # and a little past it
     decode = DECODE_S + k * DRAFT_S
     chunk = 512 * PREFILL_S_PER_TOKEN
@@ -170,13 +177,7 @@ def test_a_slow_prefill_is_cut_to_seconds_while_streams_run(k):
     decode = DECODE_S + k * DRAFT_S
 
     def longest_gap(chunk_s: float) -> float:
-        run = Run(k, slow, max_batch_size=8, pool_size=16, max_prefill_tokens=512, max_prefill_chunk_s=chunk_s)
-        for i in range(8):
-            run.add(_req(i, 20, 10_000))
-        run.until(lambda: len(run.emitted) == 8)
-        start = run.now
-        run.add(_req(99, 4000, 4))
-        run.until(lambda: "99" in run.emitted)
+        run, start = _long_prompt_beside_streams(k, slow, max_prefill_chunk_s=chunk_s)
         assert run.emitted["99"][0] - start <= 4000 * slow / PREFILL_TIME_SHARE + 2 * (decode + chunk_s) + 0.05
         gaps = []
         for i in range(8):
