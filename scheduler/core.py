@@ -173,7 +173,8 @@ class SchedulerCore:
         prefill step spends its own; prefill runs while the credit is >= 0. So waiting prompts get
         PREFILL_TIME_SHARE of the engine's time however long a decode step is (drafting makes it longer),
         and a running sequence waits between two decode steps at most one decode step's worth of prefill
-        plus one chunk (bounded by max_prefill_tokens and, while sequences decode, by max_prefill_chunk_s). Times are the engine's reported forward seconds."""
+        plus one chunk (bounded by max_prefill_tokens and, while sequences decode, by max_prefill_chunk_s).
+        Times are the engine's reported forward seconds."""
         if not contended:  # nothing to share: the next contention starts even
             self._prefill_credit = 0.0
             return
