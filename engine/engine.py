@@ -365,19 +365,26 @@ class SpecEngine:
         token. Returns each row's draft length after it (the state moves only at commit) and whether any
         row was fed."""
         draft_lens = [st.draft_len for st in plan.states]
-        behind = [i for i, (n, d) in enumerate(zip(plan.lengths, draft_lens)) if n - d > 2]
-        if not behind:
+        need = {i: n - 1 - d for i, (n, d) in enumerate(zip(plan.lengths, draft_lens)) if n - d > 2}
+        if not need:
             return draft_lens, False
         dev = self.device
-        width = max(plan.lengths[i] - 1 - draft_lens[i] for i in behind)
-        # As in _propose: a row less behind re-feeds cached positions (the same K/V); one shorter than the
-        # width starts at 0, and its right padding lands at or past its pending position, rewritten below.
-        starts = [max(plan.lengths[i] - 1 - width, 0) for i in behind]
-        slots = [plan.slots[i] for i in behind]
-        tokens = self._tokens(plan.slot_t[to_device(behind, dev)], starts, width)  # [b, W]
-        last = torch.zeros(len(behind), 1, dtype=torch.long, device=dev)  # [b, 1]: logits are not used
-        self.draft.extend(tokens, starts, slots, select=last, force_per_row=True)
-        for i in behind:
+        # Rows far behind (a long prompt) and rows a few tokens behind do not share one padded width: each
+        # forward takes the rows needing more than half its width (at most half of it padding), so a batch
+        # costs at most about twice the tokens it feeds, in about log2(longest / shortest) forwards.
+        order = sorted(need, key=lambda i: -need[i])
+        while order:
+            width = need[order[0]]
+            group = [i for i in order if 2 * need[i] > width]
+            order = order[len(group):]
+            # As in _propose: a row less behind re-feeds cached positions (the same K/V); one shorter than the
+            # width starts at 0, and its right padding lands at or past its pending position, rewritten below.
+            starts = [max(plan.lengths[i] - 1 - width, 0) for i in group]
+            slots = [plan.slots[i] for i in group]
+            tokens = self._tokens(plan.slot_t[to_device(group, dev)], starts, width)  # [b, W]
+            last = torch.zeros(len(group), 1, dtype=torch.long, device=dev)  # [b, 1]: logits are not used
+            self.draft.extend(tokens, starts, slots, select=last, force_per_row=True)
+        for i in need:
             draft_lens[i] = plan.lengths[i] - 1
         return draft_lens, True
 

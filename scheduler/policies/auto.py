@@ -47,6 +47,9 @@ from dataclasses import dataclass, field
 from exspec.scheduler.policies import SpeculationPolicy, bucket, register
 
 
+CATCHUP_DECAY = 0.3  # weight of the latest catch-up in the per-row estimate
+
+
 def candidates_for(k_max: int) -> list[int]:
     """The k a policy chooses among: every k up to 8, powers of two beyond, and k_max."""
     return sorted({k for k in range(min(k_max, 8) + 1)} | {k for k in (16, 32) if k < k_max} | {k_max})
@@ -108,6 +111,7 @@ class AutoPolicy(SpeculationPolicy):
         self._rows = 0.0  # rows of drafting steps (decayed)
         self._drafting_rows = 0.0  # of those, rows that proposed drafts
         self._buckets: dict[int, _Bucket] = {}
+        self._catchup_row = 0.0  # seconds a row's draft catch-up took in recent steps that caught up (decayed)
 
     # ------------------------------------------------------------------ acceptance
 
@@ -158,8 +162,18 @@ class AutoPolicy(SpeculationPolicy):
         drafted = [c for c in sorted(med) if c > 0]
         out = {0: (med[0], unc[0])}
         if not drafted:
+            near = self._nearest_drafted(st)
+            if near is None:  # no bucket has drafted yet: a prior slope, uncertain
+                for k in self.candidates[1:]:
+                    out[k] = (med[0] * (1 + self.prior_slope * k), 0.3)
+                return out
+            # the relative cost c(k) / c(0) of the nearest bucket that drafted (a drafting step does what a
+            # k = 0 step does and more, at about the same proportion nearby), less certain with the distance
+            other, distance = near
+            theirs = self._costs(other)
             for k in self.candidates[1:]:
-                out[k] = (med[0] * (1 + self.prior_slope * k), 0.3)
+                ratio = theirs[k][0] / theirs[0][0]
+                out[k] = (med[0] * ratio, theirs[k][1] + 0.05 * distance)
             return out
         # k > 0: a line a + b * k through the measured medians, weighted by their sample counts (the draft
         # forwards and the verify's extra query columns grow with k; the jump from k = 0 is in a)
@@ -188,6 +202,20 @@ class AutoPolicy(SpeculationPolicy):
                 out[k] = (fit, u)
         return out
 
+    def _nearest_drafted(self, st: _Bucket) -> tuple[_Bucket, int] | None:
+        """(the bucket nearest to `st` in log2 batch size whose costs include k = 0 and some k > 0, that
+        distance); None if there is none."""
+        b = next(b for b, x in self._buckets.items() if x is st)
+        found = [
+            (abs(o.bit_length() - b.bit_length()), o)
+            for o, x in self._buckets.items()
+            if x is not st and x.costs.get(0) and any(c > 0 and x.costs[c] for c in x.costs)
+        ]
+        if not found:
+            return None
+        distance, o = min(found)
+        return self._buckets[o], distance
+
     # ------------------------------------------------------------------ decisions
 
     def _bucket(self, b: int) -> _Bucket:
@@ -207,7 +235,10 @@ class AutoPolicy(SpeculationPolicy):
         goodput, optimistic = {}, {}
         for k, (c, u) in costs.items():
             goodput[k] = (1 + f * (self._expected(rates, k) - 1)) / c
-            optimistic[k] = (1 + f * (self._expected(upper, k) - 1)) / (c * max(0.5, 1 - u))
+            low = c * max(0.5, 1 - u)
+            if k > 0:  # a drafting step does all a k = 0 step does, and more
+                low = max(low, costs[0][0])
+            optimistic[k] = (1 + f * (self._expected(upper, k) - 1)) / low
         best = max(self.candidates, key=lambda k: (goodput[k], -k))
         if goodput[best] < (1 + self.margin) * goodput[0]:
             best = 0
@@ -245,7 +276,9 @@ class AutoPolicy(SpeculationPolicy):
             n = 0 if stale or not samples else len(samples)
             burst = self.min_samples - n if n < self.min_samples else 1
             allowed = self.budget * st.total_s + self.free_steps * costs[0][0]
-            if st.explore_s + burst * costs[explore][0] <= allowed:
+            # rows prefilled without the draft catch it up on their first drafting step: exploring pays that
+            catchup = 0.0 if self.drafting() else self._catchup_row * batch_size
+            if st.explore_s + burst * costs[explore][0] + catchup <= allowed:
                 if stale:
                     samples.clear()  # a fresh measurement: the old one is from another time
                 st.burst = (explore, burst - 1)
@@ -301,6 +334,8 @@ class AutoPolicy(SpeculationPolicy):
             self._decay((1 - self.idle_decay) ** batch_size)
             return
         rows = batch_size if drafting_rows is None else drafting_rows
+        if catchup_s > 0 and rows > 0:
+            self._catchup_row += CATCHUP_DECAY * (catchup_s / rows - self._catchup_row)
         self._decay((1 - self.accept_decay) ** rows)
         self._rows += batch_size
         self._drafting_rows += rows
