@@ -47,9 +47,6 @@ from dataclasses import dataclass, field
 from exspec.scheduler.policies import SpeculationPolicy, bucket, register
 
 
-CATCHUP_DECAY = 0.3  # weight of the latest catch-up in the per-row estimate
-
-
 def candidates_for(k_max: int) -> list[int]:
     """The k a policy chooses among: every k up to 8, powers of two beyond, and k_max."""
     return sorted({k for k in range(min(k_max, 8) + 1)} | {k for k in (16, 32) if k < k_max} | {k_max})
@@ -111,7 +108,6 @@ class AutoPolicy(SpeculationPolicy):
         self._rows = 0.0  # rows of drafting steps (decayed)
         self._drafting_rows = 0.0  # of those, rows that proposed drafts
         self._buckets: dict[int, _Bucket] = {}
-        self._catchup_row = 0.0  # seconds a row's draft catch-up took in recent steps that caught up (decayed)
 
     # ------------------------------------------------------------------ acceptance
 
@@ -276,9 +272,7 @@ class AutoPolicy(SpeculationPolicy):
             n = 0 if stale or not samples else len(samples)
             burst = self.min_samples - n if n < self.min_samples else 1
             allowed = self.budget * st.total_s + self.free_steps * costs[0][0]
-            # rows prefilled without the draft catch it up on their first drafting step: exploring pays that
-            catchup = 0.0 if self.drafting() else self._catchup_row * batch_size
-            if st.explore_s + burst * costs[explore][0] + catchup <= allowed:
+            if st.explore_s + burst * costs[explore][0] <= allowed:
                 if stale:
                     samples.clear()  # a fresh measurement: the old one is from another time
                 st.burst = (explore, burst - 1)
@@ -334,8 +328,6 @@ class AutoPolicy(SpeculationPolicy):
             self._decay((1 - self.idle_decay) ** batch_size)
             return
         rows = batch_size if drafting_rows is None else drafting_rows
-        if catchup_s > 0 and rows > 0:
-            self._catchup_row += CATCHUP_DECAY * (catchup_s / rows - self._catchup_row)
         self._decay((1 - self.accept_decay) ** rows)
         self._rows += batch_size
         self._drafting_rows += rows

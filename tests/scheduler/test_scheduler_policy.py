@@ -361,3 +361,25 @@ def test_auto_weighs_k_without_the_one_off_catch_up():
         catchup = 20 * s if k > 0 and step % 5 == 0 else 0.0  # a big one-off catch-up every fifth step
         policy.observe(1, k, n, s + catchup, catchup, accepted, 1)
     assert policy.plan(1)[0] == world.best(1, range(5)) == 4
+
+
+def test_auto_borrows_relative_costs_so_a_losing_draft_is_not_explored_at_every_batch_size():
+    """Acceptance is shared by every batch size, and a drafting step costs about the same multiple of a k = 0
+    step at nearby batch sizes: once batch size 2 has measured that a weak draft loses, batch size 8 runs k = 0
+    without exploring (a fresh policy at batch size 8 does explore). A draft that pays is still found there."""
+    weak = _World([0.1] * 8, 0.3, 0.1, seed=4)
+    policy = create("auto", 8)
+    _run_auto(policy, weak, 2, 300)
+    assert policy.plan(2)[0] == 0
+    chosen, _ = _run_auto(policy, weak, 8, 150)
+    assert chosen.count(0) == 150  # (later, as the unmeasured acceptance grows uncertain, within the budget)
+    fresh = create("auto", 8)
+    chosen, _ = _run_auto(fresh, weak, 8, 150)
+    assert chosen[:10].count(0) < 10  # the premise: alone, batch size 8 explores at once
+
+    strong = _World(STRONG, 0.05, 0.08, seed=5)
+    policy = create("auto", 8)
+    _run_auto(policy, strong, 2, 300)
+    chosen, _ = _run_auto(policy, strong, 8, 300)
+    assert _expected_goodput(strong, 8, chosen[60:]) >= 0.97 * strong.goodput(8, strong.best(8, policy.candidates))
+
