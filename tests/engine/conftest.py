@@ -53,15 +53,28 @@ def attention_backend(request, monkeypatch) -> str:
     return name
 
 
-# Under Triton's interpreter (CPU) one kernel launch costs ~0.2 s, so a whole generation takes 25 s or more and the
+# Under Triton's interpreter (CPU) one kernel launch costs ~0.2 s, so a whole generation takes 10 to 60 s and the
 # ~110 triton cases of the equivalence and sampling files would take over an hour. On the CPU each scenario (test
-# function) runs with `triton` once, on its first parameter set, except the statistical and 100-prompt ones; every
-# case runs on CUDA (the kernel compiled) or with EXSPEC_TEST_TRITON_ALL=1.
+# function) runs with `triton` once, on its first parameter set, except the statistical and 100-prompt ones and the
+# scenarios whose attention shapes others already give the kernel (what they test beyond that is the engine's, and
+# runs with every other backend); every case runs on CUDA (the kernel compiled) or with EXSPEC_TEST_TRITON_ALL=1.
+# The kernel's own paths: tests/engine/test_paged_kernel.py and the triton cases of test_attention_backends.py.
 TRITON_ALL = os.environ.get("EXSPEC_TEST_TRITON_ALL", "") not in ("", "0") or torch_cuda_available()
 TRITON_TOO_SLOW_INTERPRETED = {
     "test_hundred_mixed_prompts_batch8_k4",
     "test_speculative_samples_follow_target_distribution",
     "test_statistical_check_has_power",
+    # 20 to 60 s each interpreted; the shapes they give attention (Q = 1 and k + 1 over mixed lengths, rows
+    # rejecting or accepting every draft, reused slots and blocks) are the kept scenarios' and the backend tests'
+    "test_always_disagreeing_draft_matches_target",  # as test_mixed_lengths_batch_matches_target's rollbacks
+    "test_draft_with_padded_vocabulary",  # the vocabulary, not attention
+    "test_engine_without_draft_matches_target",  # Q = 1: every draft forward of the kept ones (same kernel)
+    "test_rows_without_speculation_mixed_with_speculating_rows",  # acceptance, not attention
+    "test_sequences_admitted_and_finished_at_different_times",  # reused blocks: test_stale_kv_is_never_read
+    "test_eos_finishes_sequence_and_nothing_after_it_leaks",  # stopping, not attention
+    "test_steps_without_speculation_match_target",  # catch-up: test_prompts_prefilled_without_the_draft_...
+    "test_identical_draft_emits_k_plus_one_per_step",  # whole accepts: the chunked-prefill and grouped ones
+    "test_seeded_request_is_the_same_alone_and_in_any_batch",  # sampling, not attention
 }
 
 
@@ -123,7 +136,8 @@ def pytest_collection_modifyitems(config, items) -> None:
     if TRITON_ALL:
         return
     seen: set[tuple[str, str]] = set()
-    skip = pytest.mark.skip(reason="triton under the CPU interpreter: one case per scenario (EXSPEC_TEST_TRITON_ALL=1: all)")
+    skip = pytest.mark.skip(reason="triton under the CPU interpreter: one case per scenario, not all scenarios "
+                                   "(EXSPEC_TEST_TRITON_ALL=1: all)")
     for item in items:
         callspec = getattr(item, "callspec", None)
         if callspec is None or callspec.params.get("attention_backend") != "triton":
