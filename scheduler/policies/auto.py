@@ -35,6 +35,7 @@ bound, `z` standard errors; cost at its lower bound: sampling spread over sqrt(n
 stale costs) names a k whose measurement could change the decision (G+(k) > (1 + margin) * G(k*)). It is
 measured in a burst of `min_samples` steps (old samples dropped if stale) when the bucket's exploring
 seconds, catch-up included, are within `budget` of its decode seconds plus `free_steps` steps of k = 0.
+A server measures most of this before traffic (`calibration`): live exploration is then for what changes.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from exspec.scheduler.policies import SpeculationPolicy, bucket, register
+
+
+CALIBRATION_KS = (0, 1, 2, 3, 4)  # the k measured before serving (`calibration`); the cost line covers the others
 
 
 def candidates_for(k_max: int) -> list[int]:
@@ -281,6 +285,18 @@ class AutoPolicy(SpeculationPolicy):
         st.exploring = False
         st.best = best
         return best
+
+    def calibration(self, max_batch_size: int) -> list[tuple[int, int]]:
+        """2 x `min_samples` steps of each k in CALIBRATION_KS (up to k_max) at each bucket up to max_batch_size,
+        the k interleaved: every bucket the server will run starts with its k = 0 cost and its relative cost of
+        drafting measured (twice the samples an exploration takes: a cost within a few percent of k = 0's is
+        then told apart without exploring), and acceptance with some evidence, so live traffic is not where a
+        draft that loses is found out."""
+        if self.k_max == 0:
+            return []
+        sizes = sorted({min(1 << i, max_batch_size) for i in range(max(1, max_batch_size).bit_length() + 1)})
+        ks = [k for k in self.candidates if k in CALIBRATION_KS or k == min(self.k_max, max(CALIBRATION_KS))]
+        return [(b, k) for b in sizes for _ in range(2 * self.min_samples) for k in ks]
 
     def drafting(self) -> bool:
         """Whether prompts should be fed to the draft as they are prefilled: False once the batch-size buckets
