@@ -144,6 +144,8 @@ class SchedulerCore:
         finally:
             for sid in added:
                 self.engine.free(sid)
+        if reported:
+            self.speculation.calibrated()
         return reported
 
     # ------------------------------------------------------------------ queue

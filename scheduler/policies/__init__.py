@@ -63,6 +63,9 @@ class SpeculationPolicy:
         default."""
         return []
 
+    def calibrated(self) -> None:
+        """The calibration's steps have all been observed (`SchedulerCore.calibrate` calls this once after them)."""
+
     def rates(self) -> dict[tuple[int, int], float]:
         """(bucket, k) -> what the policy expects of k at that batch size (tokens per second or per row-second)."""
         return {}
