@@ -48,6 +48,8 @@ def build_server(settings: Settings):
                 cfg.engine.device, cfg.engine.dtype)
     engine = SpecEngine(cfg.engine)
     scheduler = AsyncScheduler(engine, cfg.scheduler)
+    if settings.calibrate:
+        _calibrate(scheduler, engine.tokenizer, cfg.scheduler.max_batch_size)
     app = build_app(scheduler, server_config(settings, served_model_name=name))
     logger.info(
         "serving %r (k=%d %s, B=%d, W=%d, max_model_len=%d) on http://%s:%d/v1%s",
@@ -56,3 +58,36 @@ def build_server(settings: Settings):
         settings.host, settings.port, " (API key required)" if settings.api_key else "",
     )
     return make_server(app, settings.host, settings.port, settings.log_level)
+
+
+CALIBRATION_PROMPT_TOKENS = 256  # calibration prompts are the questions no longer than this
+
+
+def _calibrate(scheduler, tokenizer, rows: int) -> None:
+    """The speculation policy's calibration steps on the first SpecBench questions (in the chat template when the
+    tokenizer has one). A failure costs only the calibration: the policy then starts unmeasured."""
+    import time
+
+    from exspec.data import all_questions
+
+    t0 = time.perf_counter()
+    try:
+        prompts = []
+        for question in all_questions("specbench"):
+            if getattr(tokenizer, "chat_template", None):
+                ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                                    tokenize=True)
+                ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            else:
+                ids = tokenizer.encode(question)
+            if 0 < len(ids) <= CALIBRATION_PROMPT_TOKENS:
+                prompts.append(ids)
+            if len(prompts) == rows:
+                break
+        best = scheduler.calibrate(prompts)
+    except Exception:
+        logger.warning("calibrating the speculation policy failed; it starts unmeasured", exc_info=True)
+        return
+    if best:
+        logger.info("calibrated the speculation policy in %.1f s: k %s at batch sizes %s", time.perf_counter() - t0,
+                    "/".join(map(str, best.values())), "/".join(map(str, best)))

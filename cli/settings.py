@@ -60,6 +60,7 @@ class Settings(BaseSettings):
     compile: bool = False
     # the scheduler
     speculation: str = DEFAULT_SPECULATION
+    calibrate: bool = True  # serve: the policy's calibration steps before serving (SchedulerCore.calibrate)
     max_batch_size: int = Field(default=SchedulerConfig.max_batch_size, ge=1, le=4096)  # B: sequences per step
     pool_size: int | None = Field(default=None, ge=1, le=65536)  # W: live sequences (KV slots); default POOL_FACTOR x B
     max_waiting: int = Field(default=SchedulerConfig.max_waiting, ge=1)  # queued beyond this: the server's 429

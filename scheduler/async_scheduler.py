@@ -64,6 +64,15 @@ class AsyncScheduler:
 
     # ------------------------------------------------------------------ public API
 
+    def calibrate(self, prompts: list[list[int]]) -> dict[int, int]:
+        """Before `start`: the policy's calibration steps on these prompts (`SchedulerCore.calibrate`). Returns the
+        k the policy then chooses per batch-size bucket ({} when it calibrates nothing)."""
+        if self._thread is not None:
+            raise RuntimeError("calibrate runs before the step loop starts")
+        if not self._core.calibrate(prompts):
+            return {}
+        return {b: s["best_k"] for b, s in self._core.speculation.summary().items() if "best_k" in s}
+
     async def start(self) -> None:
         """Start the step-loop worker thread (once; later calls do nothing)."""
         if self._thread is not None:

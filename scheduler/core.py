@@ -98,6 +98,56 @@ class SchedulerCore:
         self._unreported_preemptions = 0  # not yet in a StepStats
         self._seed_rng = random.Random(0)  # seeds of sampled requests that gave none (kept across preemptions)
 
+    # ------------------------------------------------------------------ calibration
+
+    def calibrate(self, prompts: list[list[int]]) -> int:
+        """Before serving (nothing admitted yet): run the policy's calibration steps (`SpeculationPolicy.calibration`)
+        on sequences of these prompts, greedy, and report each to the policy as a decode step; then free them. The
+        rows are the first prompts, as many as the largest batch size asks for (fewer prompts: fewer rows). The
+        first step at each batch size runs unreported (a first forward of a shape pays one-off costs). Stops early
+        where a row would pass max_model_len or the KV blocks run short. Returns the steps reported."""
+        if self.pool or self.waiting:
+            raise RuntimeError("calibrate runs before any request is admitted")
+        plan = self.speculation.calibration(self.config.max_batch_size)
+        rows = min(len(prompts), max((b for b, _ in plan), default=0))
+        if not plan or rows == 0:
+            return 0
+        ids = list(range(self._next_seq_id, self._next_seq_id + rows))
+        self._next_seq_id += rows
+        lengths = [len(p) for p in prompts[:rows]]
+        reported, added = 0, []
+        try:
+            for sid, prompt in zip(ids, prompts):
+                self.engine.add(sid, list(prompt), SamplingParams(max_tokens=self.engine.max_model_len, temperature=0.0))
+                added.append(sid)
+            self.engine.prefill(PrefillBatch(tuple(PrefillChunk(s, 0, n) for s, n in zip(ids, lengths)), draft=True))
+            lengths = [n + 1 for n in lengths]  # the first token, sampled at the end of each prompt
+            warm: set[int] = set()
+            for b, k in plan:
+                batch = ids[:b]
+                if max(lengths[:b]) + k + 2 >= self.engine.max_model_len:
+                    break
+                for step_k in ([0] if b not in warm else []) + [k]:
+                    t0 = time.perf_counter()
+                    out = self.engine.step(StepBatch(tuple(batch), step_k))
+                    seconds = time.perf_counter() - t0
+                    for i, o in enumerate(out.outputs):
+                        lengths[i] += len(o.token_ids)
+                    if b in warm:
+                        self.speculation.observe(len(batch), out.num_draft_tokens, sum(len(o.token_ids) for o in out.outputs),
+                                                 seconds, out.catchup_s, out.accepted_per_position,
+                                                 sum(1 for o in out.outputs if o.num_draft_tokens))
+                        reported += 1
+                    warm.add(b)
+        except CapacityError:
+            pass  # the KV blocks ran short: what was measured stays
+        finally:
+            for sid in added:
+                self.engine.free(sid)
+        if reported:
+            self.speculation.calibrated()
+        return reported
+
     # ------------------------------------------------------------------ queue
 
     @property

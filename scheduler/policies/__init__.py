@@ -57,6 +57,15 @@ class SpeculationPolicy:
         draft tokens it skipped (paid once per token, not a cost of k); `accepted[i]`: rows whose (i + 1)-th
         draft was accepted; `drafting_rows`: rows that proposed drafts (None: all)."""
 
+    def calibration(self, max_batch_size: int) -> list[tuple[int, int]]:
+        """(batch size, k) of the steps to run before serving, in order, each reported to `observe` as a decode
+        step is (`SchedulerCore.calibrate`): what the policy would otherwise explore under live traffic. None by
+        default."""
+        return []
+
+    def calibrated(self) -> None:
+        """The calibration's steps have all been observed (`SchedulerCore.calibrate` calls this once after them)."""
+
     def rates(self) -> dict[tuple[int, int], float]:
         """(bucket, k) -> what the policy expects of k at that batch size (tokens per second or per row-second)."""
         return {}

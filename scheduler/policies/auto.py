@@ -35,6 +35,7 @@ bound, `z` standard errors; cost at its lower bound: sampling spread over sqrt(n
 stale costs) names a k whose measurement could change the decision (G+(k) > (1 + margin) * G(k*)). It is
 measured in a burst of `min_samples` steps (old samples dropped if stale) when the bucket's exploring
 seconds, catch-up included, are within `budget` of its decode seconds plus `free_steps` steps of k = 0.
+A server measures most of this before traffic (`calibration`): live exploration is then for what changes.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from exspec.scheduler.policies import SpeculationPolicy, bucket, register
+
+
+CALIBRATION_DRIFT = 0.03  # added to a calibrated relative cost's uncertainty: live contexts are not the calibration's
+CALIBRATION_KS = (0, 1, 2, 3, 4)  # the k measured before serving (`calibration`); the cost line covers the others
 
 
 def candidates_for(k_max: int) -> list[int]:
@@ -67,6 +72,9 @@ class _Bucket:
     explore_steps: int = 0
     share: float = 0.0  # decayed share of recent steps (drafting())
     by_k: dict[int, int] = field(default_factory=dict)  # k -> steps observed
+    # k > 0 -> (c(k) / c(0), relative uncertainty) measured by the calibration (`calibrated`): a live k = 0 cost
+    # times these predicts the k > 0 costs until they are measured live
+    ratios: dict[int, tuple[float, float]] = field(default_factory=dict)
 
 
 @register("auto")
@@ -157,6 +165,18 @@ class AutoPolicy(SpeculationPolicy):
             return {}
         drafted = [c for c in sorted(med) if c > 0]
         out = {0: (med[0], unc[0])}
+        if st.ratios:  # calibrated: its relative costs carry over to live traffic (absolute ones do not: the
+            # contexts and the rest of a live step differ), rescaled by what k > 0 steps measure live, if any
+            w = {c: len(st.costs[c]) for c in drafted}
+            pred = {k: med[0] * st.ratios[k][0] for k in self.candidates[1:]}
+            scale = (sum(w[c] * med[c] / pred[c] for c in drafted) + self.fit_weight) / (sum(w.values()) + self.fit_weight)
+            for k in self.candidates[1:]:
+                fit = pred[k] * scale
+                if k in med:
+                    out[k] = ((w[k] * med[k] + self.fit_weight * fit) / (w[k] + self.fit_weight), unc[k])
+                else:
+                    out[k] = (fit, st.ratios[k][1] + CALIBRATION_DRIFT)
+            return out
         if not drafted:
             near = self._nearest_drafted(st)
             if near is None:  # no bucket has drafted yet: a prior slope, uncertain
@@ -225,7 +245,7 @@ class AutoPolicy(SpeculationPolicy):
     def _plan(self, st: _Bucket) -> tuple[int, int | None, dict[int, float], dict[int, tuple[float, float]]]:
         costs = self._costs(st)
         if not costs:
-            return 0, None, {}, costs
+            return st.best, None, {}, costs
         rates, upper = self._acceptance_bounds()
         f = self._draft_fraction()
         goodput, optimistic = {}, {}
@@ -282,6 +302,30 @@ class AutoPolicy(SpeculationPolicy):
         st.best = best
         return best
 
+    def calibration(self, max_batch_size: int) -> list[tuple[int, int]]:
+        """2 x `min_samples` steps of each k in CALIBRATION_KS (up to k_max) at each bucket up to max_batch_size,
+        the k interleaved: every bucket the server will run starts with its k = 0 cost and its relative cost of
+        drafting measured (twice the samples an exploration takes: a cost within a few percent of k = 0's is
+        then told apart without exploring), and acceptance with some evidence, so live traffic is not where a
+        draft that loses is found out."""
+        if self.k_max == 0:
+            return []
+        sizes = sorted({min(1 << i, max_batch_size) for i in range(max(1, max_batch_size).bit_length() + 1)})
+        ks = [k for k in self.candidates if k in CALIBRATION_KS or k == min(self.k_max, max(CALIBRATION_KS))]
+        return [(b, k) for b in sizes for _ in range(2 * self.min_samples) for k in ks]
+
+    def calibrated(self) -> None:
+        """The calibration's steps are in: keep each bucket's relative costs c(k) / c(0) and its k*, forget its
+        absolute costs (measured on other contexts, without the rest of a live step), keep the acceptance."""
+        for st in self._buckets.values():
+            costs = self._costs(st)
+            if not costs:
+                continue
+            st.best = self._plan(st)[0]
+            st.ratios = {k: (c / costs[0][0], u) for k, (c, u) in costs.items() if k > 0}
+            st.costs, st.last, st.planned, st.burst = {}, {}, None, (0, 0)
+            st.explore_s = st.total_s = 0.0
+
     def drafting(self) -> bool:
         """Whether prompts should be fed to the draft as they are prefilled: False once the batch-size buckets
         that want drafts (k* > 0, or not yet measured) ran less than `draft_share` of recent steps. A row
@@ -292,7 +336,8 @@ class AutoPolicy(SpeculationPolicy):
             return True
         wanting = 0.0
         for b, st in self._buckets.items():
-            if st.burst[1] > 0 or len(st.costs.get(0, ())) < self.min_samples or st.best > 0:
+            unmeasured = len(st.costs.get(0, ())) < self.min_samples and not st.ratios
+            if st.burst[1] > 0 or unmeasured or st.best > 0:
                 wanting += st.share
         total = sum(st.share for st in self._buckets.values())
         return wanting > self.draft_share * total

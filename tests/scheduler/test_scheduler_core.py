@@ -275,3 +275,67 @@ def test_the_policy_observes_acceptance_per_position_and_the_rows_that_drafted()
     core.add(req(1, max_tokens=9, use_speculation=False))  # proposes no drafts: not a drafting row
     run_all(core)
     assert policy.seen and policy.seen[0] == (2, 3, (1, 1, 0), 1)
+
+
+def _planned_batches(plan):
+    """The engine steps calibrate runs for a plan: an unreported k = 0 step first at each batch size."""
+    steps, seen = [], set()
+    for b, k in plan:
+        if b not in seen:
+            steps.append((b, 0))
+            seen.add(b)
+        steps.append((b, k))
+    return steps
+
+
+def test_calibrate_runs_the_policys_steps_before_serving_and_frees_everything():
+    eng = FakeEngine(num_slots=16, accept=lambda seq, k: 0)  # a draft that never agrees
+    core = SchedulerCore(eng, SchedulerConfig(max_batch_size=4, pool_size=8))
+    free = eng.num_free_blocks
+    plan = core.speculation.calibration(4)
+    assert plan and max(b for b, _ in plan) == 4
+    assert core.calibrate([[5 + i] * (3 + i) for i in range(6)]) == len(plan)
+    assert [(len(x.seq_ids), x.num_draft_tokens) for x in eng.batches] == _planned_batches(plan)
+    assert all(x.seq_ids == tuple(s for s, *_ in eng.added[: len(x.seq_ids)]) for x in eng.batches)  # the first rows
+    assert len(eng.added) == 4 and sorted(eng.freed) == [s for s, *_ in eng.added]
+    assert not eng.seqs and eng.num_free_blocks == free
+    summary = core.speculation.summary()
+    assert sorted(summary) == [1, 2, 4]
+    assert all(s["steps_by_k"] == {k: plan.count((b, k)) for k in sorted({k for _, k in plan})} for b, s in summary.items())
+    assert core.speculation.acceptance()[0] < 0.1
+    # then requests are served as usual
+    reqs = [req(i) for i in range(3)]
+    for r in reqs:
+        core.add(r)
+    run_all(core)
+    assert all(r.finish_reason == "length" and r.num_output_tokens == 5 for r in reqs)
+    assert [s for s, *_ in eng.added[4:]] == [4, 5, 6] and not eng.seqs  # ids after the calibration's
+
+
+def test_calibrate_stops_before_max_model_len_and_when_blocks_run_short():
+    eng = FakeEngine(num_slots=8, max_model_len=40)
+    core = SchedulerCore(eng, SchedulerConfig(max_batch_size=2, pool_size=4))
+    plan = core.speculation.calibration(2)
+    steps = core.calibrate([[7] * 10, [8] * 12])
+    assert 0 < steps < len(plan) and not eng.seqs  # 12 + 1 + steps' tokens reach 40 long before the plan's end
+    # (FakeEngine.step asserts every row is shorter than max_model_len)
+
+    eng = FakeEngine(num_slots=8, block_size=4, num_blocks=12)  # room for the prompts and a few steps
+    core = SchedulerCore(eng, SchedulerConfig(max_batch_size=2, pool_size=4))
+    steps = core.calibrate([[7] * 10, [8] * 12])
+    assert 0 < steps < len(plan) and not eng.seqs and eng.num_free_blocks == 12
+    with pytest.raises(RuntimeError):
+        core.add(req(0))
+        core.calibrate([[1, 2, 3]])
+
+
+async def test_async_scheduler_calibrates_before_its_loop_starts():
+    sched = AsyncScheduler(FakeEngine(num_slots=8, accept=lambda seq, k: 0), SchedulerConfig(max_batch_size=4, pool_size=4))
+    best = sched.calibrate([[3] * 5] * 4)  # the k chosen per bucket (from the fake's meaningless step times)
+    assert sorted(best) == [1, 2, 4] and all(0 <= k <= 4 for k in best.values())
+    await sched.start()
+    try:
+        with pytest.raises(RuntimeError):
+            sched.calibrate([[3] * 5])
+    finally:
+        await sched.shutdown(1.0)

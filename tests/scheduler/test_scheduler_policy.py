@@ -383,3 +383,41 @@ def test_auto_borrows_relative_costs_so_a_losing_draft_is_not_explored_at_every_
     chosen, _ = _run_auto(policy, strong, 8, 300)
     assert _expected_goodput(strong, 8, chosen[60:]) >= 0.97 * strong.goodput(8, strong.best(8, policy.candidates))
 
+
+
+def _calibrated(policy, world, max_batch):
+    for b, k in policy.calibration(max_batch):
+        n, s, accepted = world.step(b, k)
+        policy.observe(b, k, n, s, 0.0, accepted, b)
+    policy.calibrated()
+    return policy
+
+
+WEAK = ([0.1] * 8, 0.3, 0.1, 1, 0)  # a draft that agrees on 10% of tokens (the demo pair's): every k > 0 loses by 15%+
+
+
+@pytest.mark.parametrize("name", [*REGIMES, "weak"])
+def test_auto_calibrated_serves_the_best_k_at_once_without_exploring_a_losing_draft(name):
+    """The calibration plan (what a server runs before serving, SchedulerCore.calibrate) measures every bucket up to
+    the largest batch size: over the first 150 live steps the policy's choices are worth >= 95% of the best k at
+    each of them, and where every k > 0 clearly loses (by 13% or more) no live step drafts at all."""
+    acc, jump, slope, _, _ = WEAK if name == "weak" else REGIMES[name]
+    for seed in range(3):
+        world = _World(acc, jump, slope, seed=seed)
+        policy = _calibrated(create("auto", 8), world, 8)
+        for batch in (1, 3, 8):
+            best = world.best(batch, policy.candidates)
+            chosen, _ = _run_auto(policy, world, batch, 150)
+            assert _expected_goodput(world, batch, chosen) >= 0.95 * world.goodput(batch, best), (name, seed, batch)
+            if all(world.goodput(batch, k) < 0.87 * world.goodput(batch, 0) for k in policy.candidates[1:]):
+                assert chosen.count(0) == 150, (name, seed, batch)
+            else:
+                assert name != "weak"  # the premise: the weak draft loses clearly at every batch size
+
+
+def test_auto_calibration_plan_covers_each_bucket_and_k_up_to_the_limits():
+    plan = create("auto", 8).calibration(8)
+    assert sorted(set(plan)) == [(b, k) for b in (1, 2, 4, 8) for k in (0, 1, 2, 3, 4)]
+    assert all(plan.count(step) == 6 for step in set(plan))
+    assert sorted(set(create("auto", 3).calibration(6))) == [(b, k) for b in (1, 2, 4, 6) for k in (0, 1, 2, 3)]
+    assert create("auto", 0).calibration(8) == [] and create("fixed", 4).calibration(8) == []
