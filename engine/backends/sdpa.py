@@ -1,11 +1,12 @@
-"""`sdpa`: the CPU default. Rows of equal length (a grouped batch) are gathered into a buffer the backend keeps,
-one `index_select` per layer, and attended in one batched SDPA call; rows of different lengths (a mixed batch,
-or one row) take one SDPA call each, over their own length: a zero-copy strided view of the row's blocks when
-they are contiguous ids (token-major blocks make a block range one [kv_len, kv_heads, head_dim] run of memory),
-else a gather of its blocks into the buffer. The buffer is what makes a gather cheap: a fresh tensor per gather
-costs page faults (2048 keys of the demo target: 420 us fresh against 11 us into a warm buffer), and eight rows'
-gather plus one call costs 0.5x to 1.0x of eight calls over views (128 to 1024 keys; docs/BENCHMARKS.md section
-4). A row with one query and no window needs no mask.
+"""`sdpa`: the CPU default. Rows of similar, modest lengths (a grouped batch, or a mixed one padded by at most a
+fifth; up to 1024 keys) are gathered into a buffer the backend keeps, one `index_select` per layer, and attended
+in one batched SDPA call under the mask; other rows (one row, long or very unequal rows) take one SDPA call each,
+over their own length: a zero-copy strided view of the row's blocks when they are contiguous ids (token-major
+blocks make a block range one [kv_len, kv_heads, head_dim] run of memory), else a gather of its blocks into the
+buffer. The buffer is what makes a gather cheap: a fresh tensor per gather costs page faults (2048 keys of the demo
+target: 420 us fresh against 11 us into a warm buffer), and eight rows' gather plus one call costs 0.6x to 1.0x of
+eight calls over views (128 to 1024 keys; docs/BENCHMARKS.md section 4). A call per row with one query and no
+window needs no mask.
 Measured against `reference` in docs/BENCHMARKS-HISTORY.md ("Paged KV (issue 19)"); scattered rows: docs/BENCHMARKS.md."""
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ from exspec.engine.backends import AttentionBackend, register
 from exspec.engine.kv_cache import ForwardMeta
 
 
-# Rows of one length up to this many keys are gathered and attended in one call; longer ones gain nothing from it
-# (1.0x at 1024 keys, B = 8) and would grow the buffer with B.
+# Rows are gathered and attended in one call when the longest holds at most BATCHED_MAX_KEYS keys (longer ones gain
+# nothing from it, 1.0x at 1024 keys, B = 8, and would grow the buffer with B) and padding to the longest fills at
+# most 1 - BATCHED_MIN_FILL of the call (8 rows of 300 to 600 keys, fill 0.75: 1.1x slower than a call per row;
+# 300 to 350, fill 0.93: 0.8x). `scripts/bench_gather_sdpa.py` measures both.
 BATCHED_MAX_KEYS = 1024
+BATCHED_MIN_FILL = 0.8
 
 
 @dataclass(frozen=True)
@@ -29,12 +33,13 @@ class RowsPlan:
     # hold them all, else -1)
     block_tables: torch.Tensor  # [B, n_blocks] int32
     batch_ids: torch.Tensor | None  # [B * n_blocks] long: every row's blocks when the rows are one batched call
-    mask: torch.Tensor | None  # [1 or B, 1, Q, kv_len] bool; None: one query per row, no window (wants_mask)
+    mask: torch.Tensor | None  # [1 or B, 1, Q, kv_len] bool; None: one query per row, no window, and (batched) one
+    # length
 
 
 @register("sdpa")
 class RowSdpaBackend(AttentionBackend):
-    """PyTorch SDPA: one call over rows of one length, else per row over views of contiguous blocks"""
+    """PyTorch SDPA: one call over rows of similar lengths, else per row over views of contiguous blocks"""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple, torch.Tensor] = {}  # gather buffers, grown to the largest gather
@@ -51,11 +56,17 @@ class RowSdpaBackend(AttentionBackend):
         return buf[:n_blocks]
 
     def plan(self, meta: ForwardMeta) -> RowsPlan:
-        rows = tuple((start + meta.q_len, first) for start, first in zip(meta.starts, meta.first_blocks))
-        batched = (len(rows) > 1 and rows[0][0] <= BATCHED_MAX_KEYS
-                   and all(start == meta.starts[0] for start in meta.starts))
-        ids = meta.block_tables.reshape(-1).long() if batched else None
-        return RowsPlan(rows, meta.block_tables, ids, meta.mask)
+        lens = [start + meta.q_len for start in meta.starts]  # keys each row reads
+        rows = tuple(zip(lens, meta.first_blocks))
+        longest = max(lens)
+        batched = len(lens) > 1 and longest <= BATCHED_MAX_KEYS and sum(lens) >= BATCHED_MIN_FILL * len(lens) * longest
+        if not batched:
+            return RowsPlan(rows, meta.block_tables, None, meta.mask)
+        mask = meta.mask
+        if mask is None and min(lens) < longest:  # one query per row: it sees the keys its row holds
+            keys = torch.arange(longest, device=meta.block_tables.device)
+            mask = (keys < torch.tensor(lens, device=keys.device)[:, None])[:, None, None, :]  # [B, 1, 1, longest]
+        return RowsPlan(rows, meta.block_tables, meta.block_tables.reshape(-1).long(), mask)
 
     def wants_mask(self, q_len: int, window: int | None) -> bool:
         return q_len > 1 or window is not None  # one query sees every key its row holds
@@ -66,9 +77,9 @@ class RowSdpaBackend(AttentionBackend):
         flat_k = k_cache.view(-1, kv_heads, head_dim)  # [(num_blocks + 1) * block_size, kv_heads, head_dim]
         flat_v = v_cache.view(-1, kv_heads, head_dim)
         gqa = kv_heads != heads
-        if plan.batch_ids is not None:  # rows of one length: gathered, one call
+        if plan.batch_ids is not None:  # every row gathered, one call
             n_blocks = plan.block_tables.shape[1]
-            kv_len = min(plan.rows[0][0], n_blocks * block_size)
+            kv_len = min(max(n for n, _ in plan.rows), n_blocks * block_size)
             k_buf = self._buffer(0, k_cache, batch * n_blocks)  # [B * n_blocks, block_size, kv_heads, head_dim]
             v_buf = self._buffer(1, v_cache, batch * n_blocks)
             torch.index_select(k_cache, 0, plan.batch_ids, out=k_buf)

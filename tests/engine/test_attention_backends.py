@@ -43,11 +43,12 @@ def _paged(dense: torch.Tensor, tables: list[list[int]], num_blocks: int, block_
     return pool
 
 
-# Row 0's blocks contiguous, the others scattered; "mixed": rows of different lengths (one call per row, some short),
-# "grouped": rows of one length (the `sdpa` backend gathers them into one call).
+# Row 0's blocks contiguous, the others scattered; "mixed": rows of very different lengths (`sdpa`: one call per
+# row, some short), "grouped": rows of one length, "similar": lengths within a fifth (`sdpa`: gathered, one call).
 LAYOUTS = {
     "mixed": ([9, 2, 2, 13], [[1, 2, 3, 4, 5], [9, 6], [7, 12], [8, 10, 11, 13, 14]], (1, -1, -1, -1)),
     "grouped": ([9, 9, 9], [[1, 2, 3, 4], [9, 6, 5, 12], [7, 8, 10, 11]], (1, -1, -1)),
+    "similar": ([9, 8, 7], [[1, 2, 3, 4], [9, 6, 5, 12], [7, 8, 10, 11]], (1, -1, -1)),  # `sdpa`: one masked call
 }
 
 
