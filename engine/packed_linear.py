@@ -1,12 +1,13 @@
-"""oneDNN-prepacked linear layers for multi-row forwards on the CPU.
+"""oneDNN-prepacked linear layers for CPU forwards.
 
 On the CPU, over a few rows (a verify of k + 1 positions, a batch of rows) MKL's sgemm throughput barely rises,
 while oneDNN with its weights reordered once into its blocked layout runs 2x to 3x faster (docs/BENCHMARKS-HISTORY.md,
-"Few-row GEMM"). One row gains too: on 1 torch thread (AMD EPYC, AVX2, torch 2.13) the prepacked weight is 1.5x to
-1.8x faster than sgemm's one-row path for the 350m shapes, caches exceeded (docs/BENCHMARKS.md section 3, "One-row
-forwards"; an earlier measurement that found sgemm 1.24x faster for one row on one thread does not reproduce), so
-every forward goes to the prepacked weight. The price is a second copy of every linear weight (kept beside the
-original, which tied embeddings still share).
+"Few-row GEMM"): every multi-row forward goes to the prepacked weight. For one row it depends on the weight's size:
+the oneDNN call costs about 7 us more than sgemm's, which large weights win back (caches exceeded, it is 1.2x to 2x
+faster from 11 MiB up, 0.46x on SmolLM2's 108 MiB head) and small ones do not (2.8x slower at 256 x 256). One-row
+forwards take the prepacked weight from `ONE_ROW_PACKED_MIN_ELEMENTS` (the measured crossover, 4 MiB of float32;
+docs/BENCHMARKS.md section 3, "One-row forwards"), sgemm below it. The price is a second copy of every linear weight
+(kept beside the original, which tied embeddings still share).
 
 Selected by `prepack_linears` at load (`EngineConfig.gemm`, flag `--gemm`: "auto" packs float32 models on the
 CPU; "default" turns it off). Numbers differ from sgemm by float rounding only (a different summation order).
@@ -18,6 +19,9 @@ from __future__ import annotations
 import torch
 
 GEMM_MODES = ("packed", "default")
+# One-row forwards of a weight with at least this many elements go to the prepacked copy, smaller ones to sgemm:
+# `scripts/bench_one_row_gemm.py` put the crossover at 1024 x 1024 (1.0x) on one thread.
+ONE_ROW_PACKED_MIN_ELEMENTS = 1 << 20
 
 
 class _Packed:
@@ -34,7 +38,7 @@ class _Packed:
 
 class PackedLinear(torch.nn.Module):
     """A drop-in `nn.Linear` (same `weight` / `bias` parameters) with a oneDNN-prepacked copy used by every
-    eager forward.
+    eager forward over several rows, and over one row when the weight is large (`ONE_ROW_PACKED_MIN_ELEMENTS`).
     The copy is refreshed whenever the weight is modified in place (its version counter moves)."""
 
     def __init__(self, linear: torch.nn.Linear, max_rows: int = 64) -> None:
@@ -44,6 +48,7 @@ class PackedLinear(torch.nn.Module):
         self.bias = linear.bias  # [out] or None
         self.max_rows = max_rows
         self._packed = _Packed()
+        self.one_row_packed = linear.weight.numel() >= ONE_ROW_PACKED_MIN_ELEMENTS
 
     def _packed_weight(self) -> torch.Tensor:
         if self._packed.version != self.weight._version or self._packed.tensor is None:
@@ -56,7 +61,7 @@ class PackedLinear(torch.nn.Module):
         rows = x.numel() // self.in_features
         # Under torch.compile (engine/static_forward.py) the plain linear: the prepacked copy's lazy refresh is a
         # Python side effect a graph cannot hold (the compiler does its own weight layouts).
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or (rows == 1 and not self.one_row_packed):
             return torch.nn.functional.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)  # [rows, in]
         out = torch.ops.mkldnn._linear_pointwise(flat, self._packed_weight(), self.bias, "none", [], "")  # [rows, out]

@@ -113,7 +113,7 @@ class ModelRunner:
         full = positions.expand(batch, q_len)  # [B, Q]
         physical = table.gather(1, full // bs).long()  # [B, Q]
         slot_mapping = (physical * bs + full % bs).reshape(-1)  # [B * Q]
-        need_mask = self.backend is None or self.backend.needs_mask
+        need_mask = self.backend is None or self.backend.wants_mask(q_len, self.sliding_window)
         return ForwardMeta(
             slot_mapping=slot_mapping,
             block_tables=table,

@@ -105,7 +105,8 @@ class SchedulerCore:
         on sequences of these prompts, greedy, and report each to the policy as a decode step; then free them. The
         rows are the first prompts, as many as the largest batch size asks for (fewer prompts: fewer rows). The
         first step at each batch size runs unreported (a first forward of a shape pays one-off costs). Stops early
-        where a row would pass max_model_len or the KV blocks run short. Returns the steps reported."""
+        where a row would pass max_model_len or the KV blocks run short. The prompts are prefilled in forwards of at
+        most max_prefill_tokens (rows x width), as served prompts are. Returns the steps reported."""
         if self.pool or self.waiting:
             raise RuntimeError("calibrate runs before any request is admitted")
         plan = self.speculation.calibration(self.config.max_batch_size)
@@ -120,7 +121,8 @@ class SchedulerCore:
             for sid, prompt in zip(ids, prompts):
                 self.engine.add(sid, list(prompt), SamplingParams(max_tokens=self.engine.max_model_len, temperature=0.0))
                 added.append(sid)
-            self.engine.prefill(PrefillBatch(tuple(PrefillChunk(s, 0, n) for s, n in zip(ids, lengths)), draft=True))
+            for chunks in _prefill_chunks(ids, lengths, self.config.max_prefill_tokens):
+                self.engine.prefill(PrefillBatch(chunks, draft=True))
             lengths = [n + 1 for n in lengths]  # the first token, sampled at the end of each prompt
             warm: set[int] = set()
             for b, k in plan:
@@ -134,9 +136,7 @@ class SchedulerCore:
                     for i, o in enumerate(out.outputs):
                         lengths[i] += len(o.token_ids)
                     if b in warm:
-                        self.speculation.observe(len(batch), out.num_draft_tokens, sum(len(o.token_ids) for o in out.outputs),
-                                                 seconds, out.catchup_s, out.accepted_per_position,
-                                                 sum(1 for o in out.outputs if o.num_draft_tokens))
+                        self._observe(out, sum(len(o.token_ids) for o in out.outputs), seconds)
                         reported += 1
                     warm.add(b)
         except CapacityError:
@@ -377,11 +377,15 @@ class SchedulerCore:
             # The policy weighs k by what a step really costs: its whole wall time (scheduling, forwards,
             # sampling, cutting, deltas); only while a failing row is isolated, each call's own forward time.
             seconds = time.perf_counter() - t0 if len(runs) == 1 else out.draft_s + out.verify_s
-            self.speculation.observe(len(batch), out.num_draft_tokens, kept, seconds, out.catchup_s,
-                                     out.accepted_per_position, sum(1 for o in out.outputs if o.num_draft_tokens))
+            self._observe(out, kept, seconds)
             deltas += new
             stats.append(self._stats(out, t1 - t0, 0, kept))
         return deltas, stats
+
+    def _observe(self, out: StepOutput, num_tokens: int, seconds: float) -> None:
+        """Report a decode step to the speculation policy: `num_tokens` kept of it in `seconds`."""
+        self.speculation.observe(out.batch_size, out.num_draft_tokens, num_tokens, seconds, out.catchup_s,
+                                 out.accepted_per_position, sum(1 for o in out.outputs if o.num_draft_tokens))
 
     def _fit_growth(self, chosen: list[Request], k: int) -> tuple[list[Request], int]:
         """Make the KV blocks the step needs (each row's positions up to length + k) fit the free ones, so the
@@ -518,3 +522,20 @@ def _message(e: Exception, req: Request) -> str:
     if isinstance(e, ExspecError):
         return str(e)
     return INTERNAL_ERROR
+
+
+def _prefill_chunks(ids: list[int], lengths: list[int], budget: int) -> list[tuple[PrefillChunk, ...]]:
+    """Whole prompts prefilled in forwards of at most `budget` tokens (rows x widest chunk): rows in order, as many
+    per forward as fit; a prompt longer than the budget alone, in chunks of `budget`."""
+    batches, group = [], []
+    for sid, n in zip(ids, lengths):
+        if n > budget:
+            batches += [(PrefillChunk(sid, s, min(s + budget, n)),) for s in range(0, n, budget)]
+            continue
+        if group and (len(group) + 1) * max(n, *(c.end for c in group)) > budget:
+            batches.append(tuple(group))
+            group = []
+        group.append(PrefillChunk(sid, 0, n))
+    if group:
+        batches.append(tuple(group))
+    return batches

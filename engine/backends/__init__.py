@@ -34,6 +34,10 @@ class AttentionBackend:
     def available(cls, device: torch.device) -> bool:
         return True
 
+    def wants_mask(self, q_len: int, window: int | None) -> bool:
+        """Whether a forward of q_len queries per row needs ForwardMeta.mask (asked once per forward)."""
+        return self.needs_mask
+
     def plan(self, meta: ForwardMeta) -> Any:
         """Whatever `forward` needs beyond the pools, built once per forward (shared by every layer)."""
         return meta

@@ -1,6 +1,13 @@
-"""`sdpa`: the CPU default. One SDPA call per row, each over its own length: a zero-copy strided view of the
-row's blocks when they are contiguous ids (token-major blocks make a block range one [kv_len, kv_heads,
-head_dim] run of memory), else a gather of its blocks. A row with one query and no window needs no mask.
+"""`sdpa`: the CPU default. Rows of similar, modest lengths (a grouped batch, or a mixed one padded by at most a
+fifth; up to 1024 keys) are gathered into a buffer the backend keeps, one `index_select` per layer, and attended
+in one batched SDPA call under the mask; other rows (one row, long or very unequal rows) take one SDPA call each,
+over their own length: a zero-copy strided view of the row's blocks when they are contiguous ids (token-major
+blocks make a block range one [kv_len, kv_heads, head_dim] run of memory), else a gather of its blocks into the
+buffer. The buffer is what makes a gather cheap: a fresh tensor per gather may pay page faults (2048 keys of the demo
+target: 420 or 32 us fresh, depending on the allocator's state, against 11 to 22 us into a kept buffer), and eight
+rows' gather plus one call costs 0.6x to 1.0x of eight calls over views (128 to 1024 keys; docs/BENCHMARKS.md
+section 4). A call per row with one query and no
+window needs no mask.
 Measured against `reference` in docs/BENCHMARKS-HISTORY.md ("Paged KV (issue 19)"); scattered rows: docs/BENCHMARKS.md."""
 
 from __future__ import annotations
@@ -13,21 +20,57 @@ from exspec.engine.backends import AttentionBackend, register
 from exspec.engine.kv_cache import ForwardMeta
 
 
+# Rows are gathered and attended in one call when the longest holds at most BATCHED_MAX_KEYS keys (longer ones gain
+# nothing from it, 1.0x at 1024 keys, B = 8, and would grow the buffer with B) and padding to the longest fills at
+# most 1 - BATCHED_MIN_FILL of the call (8 rows of 300 to 600 keys, fill 0.75: 1.1x slower than a call per row;
+# 300 to 350, fill 0.93: 0.8x). `scripts/bench_gather_sdpa.py` measures both.
+BATCHED_MAX_KEYS = 1024
+BATCHED_MIN_FILL = 0.8
+
+
 @dataclass(frozen=True)
 class RowsPlan:
     rows: tuple[tuple[int, int], ...]  # per row: (keys it reads, its first block when its blocks are contiguous and
     # hold them all, else -1)
     block_tables: torch.Tensor  # [B, n_blocks] int32
-    mask: torch.Tensor | None  # [1 or B, 1, Q, kv_len] bool; None: one query per row, no window
+    batch_ids: torch.Tensor | None  # [B * n_blocks] long: every row's blocks when the rows are one batched call
+    mask: torch.Tensor | None  # [1 or B, 1, Q, kv_len] bool; None: one query per row, no window, and (batched) one
+    # length
 
 
 @register("sdpa")
 class RowSdpaBackend(AttentionBackend):
-    """PyTorch SDPA per row over views of contiguous blocks"""
+    """PyTorch SDPA: one call over rows of similar lengths, else per row over views of contiguous blocks"""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}  # gather buffers, grown to the largest gather
+
+    def _buffer(self, which: int, like: torch.Tensor, n_blocks: int) -> torch.Tensor:
+        """Buffer `which` (0: keys, 1: values) for n_blocks blocks shaped like `like`'s: [n_blocks, block_size,
+        kv_heads, head_dim] contiguous. Reused by every row and layer (each row's SDPA reads it before the next
+        gather)."""
+        key = (which, like.dtype, like.device, like.shape[1:])
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape[0] < n_blocks:
+            buf = like.new_empty((n_blocks, *like.shape[1:]))
+            self._buffers[key] = buf
+        return buf[:n_blocks]
 
     def plan(self, meta: ForwardMeta) -> RowsPlan:
-        rows = tuple((start + meta.q_len, first) for start, first in zip(meta.starts, meta.first_blocks))
-        return RowsPlan(rows, meta.block_tables, meta.mask if (meta.q_len > 1 or meta.window) else None)
+        lens = [start + meta.q_len for start in meta.starts]  # keys each row reads
+        rows = tuple(zip(lens, meta.first_blocks))
+        longest = max(lens)
+        batched = len(lens) > 1 and longest <= BATCHED_MAX_KEYS and sum(lens) >= BATCHED_MIN_FILL * len(lens) * longest
+        if not batched:
+            return RowsPlan(rows, meta.block_tables, None, meta.mask)
+        mask = meta.mask
+        if mask is None and min(lens) < longest:  # one query per row: it sees the keys its row holds
+            keys = torch.arange(longest, device=meta.block_tables.device)
+            mask = (keys < torch.tensor(lens, device=keys.device)[:, None])[:, None, None, :]  # [B, 1, 1, longest]
+        return RowsPlan(rows, meta.block_tables, meta.block_tables.reshape(-1).long(), mask)
+
+    def wants_mask(self, q_len: int, window: int | None) -> bool:
+        return q_len > 1 or window is not None  # one query sees every key its row holds
 
     def forward(self, query, k_cache, v_cache, plan: RowsPlan, scale):
         batch, heads, q_len, head_dim = query.shape
@@ -35,7 +78,21 @@ class RowSdpaBackend(AttentionBackend):
         flat_k = k_cache.view(-1, kv_heads, head_dim)  # [(num_blocks + 1) * block_size, kv_heads, head_dim]
         flat_v = v_cache.view(-1, kv_heads, head_dim)
         gqa = kv_heads != heads
-        out = query.new_empty(batch, q_len, heads, v_cache.shape[-1])  # [B, Q, heads, head_dim]
+        if plan.batch_ids is not None:  # every row gathered, one call
+            n_blocks = plan.block_tables.shape[1]
+            kv_len = min(max(n for n, _ in plan.rows), n_blocks * block_size)
+            k_buf = self._buffer(0, k_cache, batch * n_blocks)  # [B * n_blocks, block_size, kv_heads, head_dim]
+            v_buf = self._buffer(1, v_cache, batch * n_blocks)
+            torch.index_select(k_cache, 0, plan.batch_ids, out=k_buf)
+            torch.index_select(v_cache, 0, plan.batch_ids, out=v_buf)
+            keys = k_buf.view(batch, -1, kv_heads, head_dim)[:, :kv_len].transpose(1, 2)  # [B, kv_heads, kv_len, D]
+            values = v_buf.view(batch, -1, kv_heads, head_dim)[:, :kv_len].transpose(1, 2)
+            mask = plan.mask[..., :kv_len] if plan.mask is not None else None  # [1 or B, 1, Q, kv_len]
+            o = torch.nn.functional.scaled_dot_product_attention(
+                query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
+            )  # [B, heads, Q, head_dim]
+            return o.transpose(1, 2)
+        out = query.new_empty(batch, q_len, heads, v_cache.shape[-1]) if batch > 1 else None  # [B, Q, heads, head_dim]
         for b, (kv_len, first) in enumerate(plan.rows):
             kv_len = min(kv_len, plan.block_tables.shape[1] * block_size)
             if first >= 0:
@@ -45,8 +102,11 @@ class RowSdpaBackend(AttentionBackend):
             else:
                 n = -(-kv_len // block_size)
                 ids = plan.block_tables[b, :n]
-                keys = k_cache.index_select(0, ids).view(-1, kv_heads, head_dim)[:kv_len]
-                values = v_cache.index_select(0, ids).view(-1, kv_heads, head_dim)[:kv_len]
+                k_buf, v_buf = self._buffer(0, k_cache, n), self._buffer(1, v_cache, n)  # [n, block_size, ...]
+                torch.index_select(k_cache, 0, ids, out=k_buf)
+                torch.index_select(v_cache, 0, ids, out=v_buf)
+                keys = k_buf.view(-1, kv_heads, head_dim)[:kv_len]  # [kv_len, kv_heads, head_dim]
+                values = v_buf.view(-1, kv_heads, head_dim)[:kv_len]
             mask = None
             if plan.mask is not None:
                 m = 0 if plan.mask.shape[0] == 1 else b
@@ -59,5 +119,7 @@ class RowSdpaBackend(AttentionBackend):
                 scale=scale,
                 enable_gqa=gqa,
             )  # [1, heads, Q, head_dim]
+            if batch == 1:
+                return o.transpose(1, 2)  # [1, Q, heads, head_dim] view
             out[b] = o[0].transpose(0, 1)
         return out

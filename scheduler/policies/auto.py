@@ -59,6 +59,7 @@ def candidates_for(k_max: int) -> list[int]:
 
 @dataclass
 class _Bucket:
+    size: int  # the bucket's batch size (a power of two)
     steps: int = 0  # steps chosen in this bucket
     costs: dict[int, deque] = field(default_factory=dict)  # k -> last steady step seconds
     last: dict[int, int] = field(default_factory=dict)  # k -> step of its last sample
@@ -221,9 +222,8 @@ class AutoPolicy(SpeculationPolicy):
     def _nearest_drafted(self, st: _Bucket) -> tuple[_Bucket, int] | None:
         """(the bucket nearest to `st` in log2 batch size whose costs include k = 0 and some k > 0, that
         distance); None if there is none."""
-        b = next(b for b, x in self._buckets.items() if x is st)
         found = [
-            (abs(o.bit_length() - b.bit_length()), o)
+            (abs(o.bit_length() - st.size.bit_length()), o)
             for o, x in self._buckets.items()
             if x is not st and x.costs.get(0) and any(c > 0 and x.costs[c] for c in x.costs)
         ]
@@ -235,7 +235,10 @@ class AutoPolicy(SpeculationPolicy):
     # ------------------------------------------------------------------ decisions
 
     def _bucket(self, b: int) -> _Bucket:
-        return self._buckets.setdefault(b, _Bucket())
+        st = self._buckets.get(b)
+        if st is None:
+            st = self._buckets[b] = _Bucket(b)
+        return st
 
     def plan(self, batch_size: int) -> tuple[int, int | None, dict[int, float]]:
         """(k*, the k worth exploring or None, goodput per row for each k) of a batch size, from the models

@@ -43,17 +43,26 @@ def _paged(dense: torch.Tensor, tables: list[list[int]], num_blocks: int, block_
     return pool
 
 
+# Row 0's blocks contiguous, the others scattered; "mixed": rows of very different lengths (`sdpa`: one call per
+# row, some short), "grouped": rows of one length, "similar": lengths within a fifth (`sdpa`: gathered, one call).
+LAYOUTS = {
+    "mixed": ([9, 2, 2, 13], [[1, 2, 3, 4, 5], [9, 6], [7, 12], [8, 10, 11, 13, 14]], (1, -1, -1, -1)),
+    "grouped": ([9, 9, 9], [[1, 2, 3, 4], [9, 6, 5, 12], [7, 8, 10, 11]], (1, -1, -1)),
+    "similar": ([9, 8, 7], [[1, 2, 3, 4], [9, 6, 5, 12], [7, 8, 10, 11]], (1, -1, -1)),  # `sdpa`: one masked call
+}
+
+
 @pytest.mark.parametrize("backend", BACKEND_PARAMS, indirect=True)
 @pytest.mark.parametrize("q_len, window", [(1, None), (3, None), (4, 6)])
-def test_backend_forward_matches_sdpa_over_dense_kv(backend, q_len, window):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_backend_forward_matches_sdpa_over_dense_kv(backend, q_len, window, layout):
     torch.manual_seed(0)
     heads, kv_heads, dim, bs = 4, 2, 8, 4
-    starts = [9, 2, 2, 13]  # row 0 contiguous blocks, rows 1-3 scattered or short
+    starts, tables, first_blocks = LAYOUTS[layout]
     batch = len(starts)
     seq_lens = [s + q_len for s in starts]
     kv_len = max(seq_lens)
     n_blocks = -(-kv_len // bs)
-    tables = [[1, 2, 3, 4, 5], [9, 6], [7, 12], [8, 10, 11, 13, 14]]
     tables = [t[: -(-n // bs)] for t, n in zip(tables, seq_lens)]
     dense_k = torch.randn(batch, kv_heads, kv_len, dim)
     dense_v = torch.randn(batch, kv_heads, kv_len, dim)
@@ -70,18 +79,18 @@ def test_backend_forward_matches_sdpa_over_dense_kv(backend, q_len, window):
     table_t = torch.zeros(batch, n_blocks, dtype=torch.int32)
     for b, t in enumerate(tables):
         table_t[b, : len(t)] = torch.tensor(t)
+    impl = backends.create(backend, CPU)
     meta = ForwardMeta(
         slot_mapping=torch.zeros(batch * q_len, dtype=torch.long),
         block_tables=table_t,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        mask=allowed[:, None],
+        mask=allowed[:, None] if impl.wants_mask(q_len, window) else None,  # as the runner asks
         kv_len=kv_len,
         q_len=q_len,
         starts=tuple(starts),
-        first_blocks=(1, -1, -1, -1),
+        first_blocks=first_blocks,
         window=window,
     )
-    impl = backends.create(backend, CPU)
     ours = impl.forward(query, k_pool, v_pool, impl.plan(meta), dim**-0.5)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 

@@ -46,8 +46,9 @@ def test_the_builtin_backends_are_one_file_each():
 
 
 @pytest.mark.parametrize("q_len, window", [(1, None), (3, None), (4, 6)])
-def test_a_registered_backend_matches_sdpa_over_dense_kv(dense, q_len, window):
-    test_attention_backends.test_backend_forward_matches_sdpa_over_dense_kv(dense, q_len, window)
+@pytest.mark.parametrize("layout", list(test_attention_backends.LAYOUTS))
+def test_a_registered_backend_matches_sdpa_over_dense_kv(dense, q_len, window, layout):
+    test_attention_backends.test_backend_forward_matches_sdpa_over_dense_kv(dense, q_len, window, layout)
 
 
 def test_a_registered_backend_runs_in_the_engine(models, dense):

@@ -54,3 +54,21 @@ def test_gemm_mode():
         gemm_mode(model, "fast")
     assert gemm_mode(model) == "packed"
     assert gemm_mode(model.to(torch.bfloat16)) == "default"  # packing only for float32
+
+
+@pytest.mark.parametrize("one_row_min", [1, 10**9])  # every weight "large" / none
+def test_one_row_forward_takes_the_prepacked_weight_only_for_large_weights(monkeypatch, one_row_min):
+    import exspec.engine.packed_linear as pl
+
+    monkeypatch.setattr(pl, "ONE_ROW_PACKED_MIN_ELEMENTS", one_row_min)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48)
+    packed = PackedLinear(lin)
+    x = torch.randn(1, 1, 64)
+    with torch.inference_mode():
+        out = packed(x)
+    torch.testing.assert_close(out, lin(x).detach(), rtol=1e-5, atol=1e-5)
+    assert (packed._packed.tensor is not None) == (one_row_min == 1)  # a small weight's one row: sgemm, never packed
+    with torch.inference_mode():
+        packed(torch.randn(3, 64))  # several rows: always the prepacked weight
+    assert packed._packed.tensor is not None

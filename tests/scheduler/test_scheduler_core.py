@@ -312,6 +312,24 @@ def test_calibrate_runs_the_policys_steps_before_serving_and_frees_everything():
     assert [s for s, *_ in eng.added[4:]] == [4, 5, 6] and not eng.seqs  # ids after the calibration's
 
 
+def test_calibrate_prefills_in_forwards_of_at_most_max_prefill_tokens():
+    """A large batch size must not become one huge prefill forward (B x prompt tokens on a GPU)."""
+    eng = FakeEngine(num_slots=16)
+    core = SchedulerCore(eng, SchedulerConfig(max_batch_size=8, pool_size=8, max_prefill_tokens=24))
+    prompts = [[5] * n for n in (10, 12, 30, 7, 7, 7, 11, 3)]  # one longer than the budget
+    assert core.calibrate(prompts) > 0
+    assert len(eng.prefills) > 1
+    for batch in eng.prefills:
+        widths = [c.end - c.start for c in batch.chunks]
+        assert len(widths) * max(widths) <= 24 and batch.draft
+    fed = {}
+    for batch in eng.prefills:
+        for c in batch.chunks:
+            assert c.start == fed.get(c.seq_id, 0)  # in order, each chunk where the last ended
+            fed[c.seq_id] = c.end
+    assert sorted(fed.values()) == sorted(len(p) for p in prompts)
+
+
 def test_calibrate_stops_before_max_model_len_and_when_blocks_run_short():
     eng = FakeEngine(num_slots=8, max_model_len=40)
     core = SchedulerCore(eng, SchedulerConfig(max_batch_size=2, pool_size=4))

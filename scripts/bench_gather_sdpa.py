@@ -1,0 +1,93 @@
+"""What the CPU `sdpa` backend's choices cost, attention alone, one thread (engine/backends/sdpa.py): one row's keys
+read as a zero-copy strided view, gathered into a fresh tensor, or gathered into a kept buffer; and 8 rows of one
+length attended by 8 calls over views against one gather of all rows plus one call. Demo-target shapes (4 query
+heads, 2 KV heads, head_dim 64, blocks of 16), median of 7.
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_gather_sdpa.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+F = torch.nn.functional.scaled_dot_product_attention
+H, KVH, HD, BS = 4, 2, 64, 16
+
+
+def bench(fn, n: int = 300) -> float:
+    for _ in range(20):
+        fn()
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(times)
+
+
+def one_row() -> None:
+    for L in (256, 2048):
+        for Q in (1, 5):
+            nb = L // BS
+            blocks = torch.randn(nb, BS, KVH, HD)  # one row's blocks, contiguous
+            q = torch.randn(1, H, Q, HD)
+            mask = torch.ones(1, 1, Q, L, dtype=torch.bool) if Q > 1 else None
+            view = blocks.view(L, KVH, HD).transpose(0, 1)[None]  # [1, kv_heads, L, head_dim]
+            ids = torch.arange(nb)
+            buf = torch.empty(nb, BS, KVH, HD)
+
+            def fresh():
+                k = torch.index_select(blocks, 0, ids).view(L, KVH, HD).transpose(0, 1)[None]
+                v = torch.index_select(blocks, 0, ids).view(L, KVH, HD).transpose(0, 1)[None]
+                return F(q, k, v, attn_mask=mask, enable_gqa=True)
+
+            def kept():
+                torch.index_select(blocks, 0, ids, out=buf)
+                k = buf.view(L, KVH, HD).transpose(0, 1)[None]
+                return F(q, k, k, attn_mask=mask, enable_gqa=True)
+
+            a = bench(lambda: F(q, view, view, attn_mask=mask, enable_gqa=True))
+            print(f"one row, {L} keys, Q = {Q}: view {a:.1f} us, K and V gathered fresh {bench(fresh):.1f} us, "
+                  f"K gathered into a kept buffer {bench(kept):.1f} us")
+
+
+def eight_rows() -> None:
+    B = 8
+    for L in (128, 384, 1024):
+        for Q in (1, 5):
+            nb = -(-L // BS)
+            pool = torch.randn(B * nb + 1, BS, KVH, HD)
+            flat = pool.view(-1, KVH, HD)
+            q = torch.randn(B, H, Q, HD)
+            mask = torch.ones(1, 1, Q, L, dtype=torch.bool).tril(L - Q) if Q > 1 else None
+
+            def rows():
+                out = q.new_empty(B, Q, H, HD)
+                for b in range(B):
+                    s = (1 + b * nb) * BS
+                    k = flat[s : s + L].transpose(0, 1)[None]
+                    out[b] = F(q[b : b + 1], k, k, attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+                return out
+
+            ids = torch.tensor([[1 + b * nb + i for i in range(nb)] for b in range(B)]).reshape(-1)
+            buf = torch.empty(B * nb, BS, KVH, HD)
+
+            def batched():
+                torch.index_select(pool, 0, ids, out=buf)
+                k = buf.view(B, nb * BS, KVH, HD)[:, :L].transpose(1, 2)
+                return F(q, k, k, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+
+            a, c = bench(rows), bench(batched)
+            print(f"8 rows, {L} keys, Q = {Q}: 8 calls over views {a:.1f} us, one gather + one call {c:.1f} us "
+                  f"({c / a:.2f}x)")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    with torch.inference_mode():
+        one_row()
+        eight_rows()
