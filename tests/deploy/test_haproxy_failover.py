@@ -93,7 +93,7 @@ class Topology:
     run_dir: Path
     url: str  # http://127.0.0.1:PORT (HAProxy)
     log: Path
-    hold: Path  # while this file exists, every replica's speculative steps are held (tests/support/hold_hook)
+    hold: Path  # while this file exists, no replica runs a decode step (tests/support/hold_hook)
 
     def state(self) -> dict:
         return json.loads((self.run_dir / "state.json").read_text())
@@ -143,7 +143,7 @@ def topo(pair, tmp_path_factory):
     proxy_port = _free_consecutive_ports(3)
     env = {k: v for k, v in os.environ.items() if not k.startswith("EXSPEC_")}
     env["OMP_NUM_THREADS"] = "1"
-    # Every replica's steps are held while this file exists (tests/support/hold_hook, test-only).
+    # No replica runs a decode step while this file exists (tests/support/hold_hook, test-only).
     hold = run_dir / "hold-steps"
     env["EXSPEC_TEST_HOLD_FILE"] = str(hold)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "support" / "hold_hook"), str(ROOT),
@@ -226,10 +226,11 @@ def stream(url: str, prompt: list[int], max_tokens: int, out: Outcome) -> Outcom
 
 
 def start_streams(url: str, n: int, hold: Path | None = None) -> tuple[list[Outcome], list[threading.Thread]]:
-    """`n` streams, each with its first event; with `hold`, every replica's steps are held from then on (the
-    caller removes the file), so no stream can end after that before the test acts. (Held from before the
-    streams start, later arrivals would never be prefilled: prefill and decode steps share the engine's time,
-    and a held decode step holds both.)"""
+    """`n` streams, each with its first event; with `hold`, the replicas run no decode step from before the
+    streams start until the caller removes the file (tests/support/hold_hook: prompts are still prefilled), so
+    every stream is in flight when the test acts, whatever the machine's speed."""
+    if hold is not None:
+        hold.touch()
     outs = [Outcome(time.monotonic()) for _ in range(n)]
     threads = [threading.Thread(target=stream, args=(url, [5, 6, 7, 10 + i], STREAM_TOKENS, o), daemon=True)
                for i, o in enumerate(outs)]
@@ -237,8 +238,6 @@ def start_streams(url: str, n: int, hold: Path | None = None) -> tuple[list[Outc
         t.start()
     for o in outs:
         assert o.first_event.wait(60), "a stream got no event within 60 s"
-    if hold is not None:
-        hold.touch()
     assert all(o.kind != "completed" and o.transport_error is None for o in outs), \
         "a stream had already ended before the signal: nothing would be tested"
     return outs, threads

@@ -50,6 +50,34 @@ def held_while_exists(fn: Callable, hold: Path, timeout: float = 120.0) -> Calla
     return call
 
 
+def decode_held_while_exists(step: Callable, hold: Path, timeout: float = 300.0) -> Callable:
+    """`SchedulerCore.step`, but while the file `hold` exists (a gate across processes) no decode step runs: a
+    call prefills if a prompt waits, else does nothing for 5 ms (the loop calls again). Every request sent while
+    held gets its prompt's token and no more, however fast or slow the machine, until the file is removed."""
+
+    def call(self):
+        if not hold.exists():
+            self._test_held_since = None
+            return step(self)
+        held_since = getattr(self, "_test_held_since", None) or time.monotonic()
+        if time.monotonic() - held_since > timeout:
+            raise RuntimeError(f"the test never removed {hold}")
+        self._test_held_since = held_since
+        self._prefill_credit = max(self._prefill_credit, 0.0)  # a waiting prompt is prefilled at once
+
+        def skip(running, t0):
+            time.sleep(0.005)
+            return [], []
+
+        self._decode_step = skip
+        try:
+            return step(self)
+        finally:
+            del self._decode_step  # the class's method again
+
+    return call
+
+
 def wait_until(cond: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
     """Poll `cond` with a generous deadline: only for states that nothing announces (a log line, a counter)."""
     deadline = time.monotonic() + timeout
