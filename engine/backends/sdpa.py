@@ -6,8 +6,7 @@ blocks make a block range one [kv_len, kv_heads, head_dim] run of memory), else 
 buffer. The buffer is what makes a gather cheap: a fresh tensor per gather may pay page faults (2048 keys of the demo
 target: 420 or 32 us fresh, depending on the allocator's state, against 11 to 22 us into a kept buffer), and eight
 rows' gather plus one call costs 0.6x to 1.0x of eight calls over views (128 to 1024 keys; docs/BENCHMARKS.md
-section 4). A call per row with one query and no
-window needs no mask.
+section 4). A call per row with one query and no window needs no mask.
 Measured against `reference` in docs/BENCHMARKS-HISTORY.md ("Paged KV (issue 19)"); scattered rows: docs/BENCHMARKS.md."""
 
 from __future__ import annotations
