@@ -1,6 +1,7 @@
 """What the CPU `sdpa` backend's choices cost, attention alone, one thread (engine/backends/sdpa.py): one row's keys
 read as a zero-copy strided view, gathered into a fresh tensor, or gathered into a kept buffer; and 8 rows of one
-length attended by 8 calls over views against one gather of all rows plus one call. Demo-target shapes (4 query
+length attended by 8 calls over views against one gather of all rows plus one call; and 8 rows of unequal lengths,
+the same two ways, the batched call under a per-row mask (what sets BATCHED_MIN_FILL). Demo-target shapes (4 query
 heads, 2 KV heads, head_dim 64, blocks of 16), median of 7.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_gather_sdpa.py
@@ -86,8 +87,45 @@ def eight_rows() -> None:
                   f"({c / a:.2f}x)")
 
 
+def unequal_rows() -> None:
+    B = 8
+    for shortest, spread in ((128, 40), (300, 50), (300, 300), (800, 100)):
+        for Q in (1, 5):
+            lens = [shortest + spread * b // (B - 1) for b in range(B)]  # keys each row holds
+            L = max(lens)
+            nb = -(-L // BS)
+            pool = torch.randn(B * nb + 1, BS, KVH, HD)
+            flat = pool.view(-1, KVH, HD)
+            q = torch.randn(B, H, Q, HD)
+            pos = torch.tensor(lens)[:, None] - Q + torch.arange(Q)  # [B, Q]: each query's position
+            mask = (torch.arange(L)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, Q, L]
+
+            def rows():
+                out = q.new_empty(B, Q, H, HD)
+                for b in range(B):
+                    s = (1 + b * nb) * BS
+                    k = flat[s : s + lens[b]].transpose(0, 1)[None]
+                    m = mask[b : b + 1, :, :, : lens[b]] if Q > 1 else None
+                    out[b] = F(q[b : b + 1], k, k, attn_mask=m, enable_gqa=True)[0].transpose(0, 1)
+                return out
+
+            ids = torch.tensor([[1 + b * nb + i for i in range(nb)] for b in range(B)]).reshape(-1)
+            buf = torch.empty(B * nb, BS, KVH, HD)
+
+            def batched():
+                torch.index_select(pool, 0, ids, out=buf)
+                k = buf.view(B, nb * BS, KVH, HD)[:, :L].transpose(1, 2)
+                return F(q, k, k, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+
+            a, c = bench(rows), bench(batched)
+            fill = sum(lens) / (B * L)
+            print(f"8 rows, {lens[0]} to {lens[-1]} keys (fill {fill:.2f}), Q = {Q}: 8 calls over views {a:.1f} us, "
+                  f"one gather + one masked call {c:.1f} us ({c / a:.2f}x)")
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     with torch.inference_mode():
         one_row()
         eight_rows()
+        unequal_rows()

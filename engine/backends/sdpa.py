@@ -21,8 +21,9 @@ from exspec.engine.kv_cache import ForwardMeta
 
 # Rows are gathered and attended in one call when the longest holds at most BATCHED_MAX_KEYS keys (longer ones gain
 # nothing from it, 1.0x at 1024 keys, B = 8, and would grow the buffer with B) and padding to the longest fills at
-# most 1 - BATCHED_MIN_FILL of the call (8 rows of 300 to 600 keys, fill 0.75: 1.1x slower than a call per row;
-# 300 to 350, fill 0.93: 0.8x). `scripts/bench_gather_sdpa.py` measures both.
+# most 1 - BATCHED_MIN_FILL of the call. `scripts/bench_gather_sdpa.py`, 8 rows against a call per row: 300 to 600
+# keys (fill 0.75) 1.15-1.25x slower, 300 to 350 (fill 0.93) 0.91-0.93x, 128 to 168 0.76-0.81x; 800 to 900 keys
+# 1.0-1.13x, so the 1024-key bound is generous for unequal rows.
 BATCHED_MAX_KEYS = 1024
 BATCHED_MIN_FILL = 0.8
 
