@@ -122,7 +122,8 @@ class SchedulerCore:
                 self.engine.add(sid, list(prompt), SamplingParams(max_tokens=self.engine.max_model_len, temperature=0.0))
                 added.append(sid)
             for chunks in _prefill_chunks(ids, lengths, self.config.max_prefill_tokens):
-                self.engine.prefill(PrefillBatch(chunks, draft=True))
+                out = self.engine.prefill(PrefillBatch(chunks, draft=True))
+                self.speculation.observe_prefill(sum(c.end - c.start for c in chunks), out.draft_s)
             lengths = [n + 1 for n in lengths]  # the first token, sampled at the end of each prompt
             warm: set[int] = set()
             for b, k in plan:
@@ -344,6 +345,7 @@ class SchedulerCore:
             deltas += new
             stats.append(self._stats(out, t1 - t0, fed, kept))
             self._measure_prefill(out.draft_s + out.verify_s, len(batch) * width)
+            self.speculation.observe_prefill(fed, out.draft_s if draft else 0.0)
         return deltas, stats
 
     def _measure_prefill(self, seconds: float, tokens: int) -> None:
@@ -473,6 +475,7 @@ class SchedulerCore:
         if req in self.pool:
             self.pool.remove(req)
         req.state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
+        self.speculation.observe_finished(req.prompt_len, req.num_output_tokens)  # what its draft prefill bought
         req.finish_reason, req.error = reason, error
         if not text and req.sent_chars < len(req.text):  # flush text held back for stop strings
             text = req.text[req.sent_chars :]

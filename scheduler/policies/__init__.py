@@ -2,9 +2,11 @@
 by name (`exspec.registry`).
 
 A policy is pure: no model, no clock. The scheduler asks it `choose(batch_size)` before each decode step,
-`drafting()` before each prefill step, and tells it each decode step's result through `observe(...)`. A
-policy whose k follows measured time (`k_varies`) makes the scheduler decode seeded sampled requests without
-drafts, so that a seed reproduces exactly (which random numbers a sampled row uses depends on k).
+`drafting()` before each prefill step, and tells it each decode step's result through `observe(...)`, each
+prefill step's through `observe_prefill(...)` and each finished request's lengths through
+`observe_finished(...)`. A policy whose k follows measured time (`k_varies`) makes the scheduler decode seeded
+sampled requests without drafts, so that a seed reproduces exactly (which random numbers a sampled row uses
+depends on k).
 
 To add a policy: a file here named as the policy, with a `SpeculationPolicy` subclass decorated
 `@register("name")`, imported at the bottom of this file (docs/ARCHITECTURE.md has a worked example).
@@ -56,6 +58,14 @@ class SpeculationPolicy:
         """A decode step's result: `num_tokens` emitted in `seconds` of wall time, of which `catchup_s` fed the
         draft tokens it skipped (paid once per token, not a cost of k); `accepted[i]`: rows whose (i + 1)-th
         draft was accepted; `drafting_rows`: rows that proposed drafts (None: all)."""
+
+    def observe_prefill(self, num_tokens: int, draft_seconds: float) -> None:
+        """A prefill step fed `num_tokens` prompt tokens; `draft_seconds` of its time went to the draft's forward
+        (0 when the prompts were prefilled without the draft: `drafting()` said no)."""
+
+    def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
+        """A request that generated `output_tokens` for a prompt of `prompt_tokens` has ended (its draft prefill
+        is then paid for that many tokens)."""
 
     def calibration(self, max_batch_size: int) -> list[tuple[int, int]]:
         """(batch size, k) of the steps to run before serving, in order, each reported to `observe` as a decode

@@ -23,10 +23,21 @@ pulled toward the line (`fit_weight` pseudo-samples), so neighbouring k share th
 measured is the line's value. With one k > 0 measured the slope is half the one from k = 0 (uncertain);
 with only k = 0 measured, c(0) * (1 + `prior_slope` * k).
 
-Goodput per row: G(k) = (1 + f * (E(k) - 1)) / c(k), f the fraction of rows that draft when k > 0 (rows
-that opted out emit one token whatever k is). The step runs k* = argmax G, and k = 0 unless some k beats
-it by `margin` (near-ties go to plain decoding: it skips the draft's prefill too, `drafting()`); between two
-k > 0 the one running stays unless the other beats it by `margin`. The plan is computed again every
+Draft prefill. Drafting has a cost outside the decode steps: every prompt is prefilled into the draft too
+(or caught up later, the same work). Per generated token it is the draft's prefill seconds per prompt token
+(measured on prefill steps that fed the draft, `observe_prefill`) times prompt tokens per generated token (of
+finished requests, `observe_finished`, decayed by `request_decay` each): o seconds per token, 0 until both
+are measured. Long prompts with short answers make it large: where a step that drafts gains a few percent
+over k = 0 (a large batch on the CPU), o can turn that gain into a loss (docs/BENCHMARKS.md section 2).
+
+Goodput per row: G(k) = T / (c(k) + o * n * T) for k > 0, T = 1 + f * (E(k) - 1), G(0) = 1 / c(0); f the
+fraction of rows that draft when k > 0 (rows that opted out emit one token whatever k is), n the bucket's
+mean rows per step. o leaves the choice among k > 0 as it is (a cost per token, the same for every k > 0):
+it decides between drafting and not. The step runs k* = argmax G, and k = 0 unless some k beats
+it by `draft_margin` (near-ties go to plain decoding: it skips the draft's prefill too, `drafting()`; and what
+the models leave out falls on drafting's side: rows that advance unevenly drain a closed batch more slowly, and
+a bucket's median cost mixes steps of different row counts); between two k > 0 the one running stays unless
+the other beats it by `margin`. The plan is computed again every
 `replan_every` steps of a bucket and after any step that measured another k (a plan costs ~0.1 ms of Python,
 a choice from the last one ~0.01 ms).
 
@@ -71,11 +82,12 @@ class _Bucket:
     explore_s: float = 0.0  # seconds of exploring steps (catch-up included)
     total_s: float = 0.0  # seconds of every step
     explore_steps: int = 0
-    share: float = 0.0  # decayed share of recent steps (drafting())
+    share: float = 0.0  # decayed share of recent rows (drafting()): steps weighted by their rows
     by_k: dict[int, int] = field(default_factory=dict)  # k -> steps observed
     # k > 0 -> (c(k) / c(0), relative uncertainty) measured by the calibration (`calibrated`): a live k = 0 cost
     # times these predicts the k > 0 costs until they are measured live
     ratios: dict[int, tuple[float, float]] = field(default_factory=dict)
+    rows: float = 0.0  # mean rows per step (decayed)
 
 
 @register("auto")
@@ -95,6 +107,7 @@ class AutoPolicy(SpeculationPolicy):
         prior_strength: float = 4.0,
         prior_slope: float = 0.15,
         margin: float = 0.02,
+        draft_margin: float = 0.05,
         z: float = 1.0,
         budget: float = 0.03,
         free_steps: int = 12,
@@ -103,20 +116,28 @@ class AutoPolicy(SpeculationPolicy):
         fit_weight: float = 8.0,
         replan_every: int = 8,
         draft_share: float = 0.1,
+        request_decay: float = 1 / 64,
+        prefill_decay: float = 1 / 16,
     ) -> None:
         super().__init__(k_max)
         self.candidates = candidates_for(k_max)
         self.window, self.min_samples = window, min_samples
         self.accept_decay, self.idle_decay, self.prior_strength = accept_decay, idle_decay, prior_strength
         self.prior_slope, self.margin, self.z = prior_slope, margin, z
+        self.draft_margin = draft_margin
         self.budget, self.free_steps, self.stale_steps = budget, free_steps, stale_steps
         self.share_decay, self.draft_share, self.fit_weight = share_decay, draft_share, fit_weight
         self.replan_every = replan_every
+        self.request_decay, self.prefill_decay = request_decay, prefill_decay
         self._tried = [0.0] * (k_max + 1)  # [k_max + 1]: index i = rows that reached draft position i (0 unused)
         self._accepted = [0.0] * (k_max + 1)  # of those, rows whose i-th draft was accepted
         self._rows = 0.0  # rows of drafting steps (decayed)
         self._drafting_rows = 0.0  # of those, rows that proposed drafts
         self._buckets: dict[int, _Bucket] = {}
+        self._prompt_tokens = 0.0  # of finished requests (decayed per request)
+        self._output_tokens = 0.0  # of finished requests (decayed per request)
+        self._draft_prefill_s = 0.0  # draft seconds of prefill steps that fed the draft (decayed per step)
+        self._draft_prefill_tokens = 0.0  # prompt tokens of those steps (decayed per step)
 
     # ------------------------------------------------------------------ acceptance
 
@@ -145,6 +166,12 @@ class AutoPolicy(SpeculationPolicy):
             p *= a
             total += p
         return total
+
+    def draft_overhead(self) -> float:
+        """o: seconds of draft prefill per generated token (0 until measured)."""
+        if self._output_tokens <= 0 or self._draft_prefill_tokens <= 0:
+            return 0.0
+        return self._draft_prefill_s / self._draft_prefill_tokens * self._prompt_tokens / self._output_tokens
 
     def _draft_fraction(self) -> float:
         return 1.0 if self._rows <= 0 else self._drafting_rows / self._rows
@@ -251,20 +278,24 @@ class AutoPolicy(SpeculationPolicy):
             return st.best, None, {}, costs
         rates, upper = self._acceptance_bounds()
         f = self._draft_fraction()
+        per_token = self.draft_overhead() * max(1.0, st.rows)  # o * n: draft prefill seconds per token of a row
         goodput, optimistic = {}, {}
         for k, (c, u) in costs.items():
-            goodput[k] = (1 + f * (self._expected(rates, k) - 1)) / c
             low = c * max(0.5, 1 - u)
-            if k > 0:  # a drafting step does all a k = 0 step does, and more
+            t, t_up = 1 + f * (self._expected(rates, k) - 1), 1 + f * (self._expected(upper, k) - 1)
+            if k > 0:  # a drafting step does all a k = 0 step does, and more; and its tokens need the draft prefilled
                 low = max(low, costs[0][0])
-            optimistic[k] = (1 + f * (self._expected(upper, k) - 1)) / low
+                c, low = c + per_token * t, low + per_token * t_up
+            goodput[k], optimistic[k] = t / c, t_up / low
         best = max(self.candidates, key=lambda k: (goodput[k], -k))
-        if goodput[best] < (1 + self.margin) * goodput[0]:
+        if goodput[best] < (1 + self.draft_margin) * goodput[0]:
             best = 0
         held = st.best
         if held in goodput and best != 0 and held != 0 and goodput[best] < (1 + self.margin) * goodput[held]:
             best = held  # hysteresis among k > 0: a near-tie does not switch
         bar = (1 + self.margin) * goodput[best]
+        if best == 0:  # a draft is worth measuring if it could beat k = 0 by what the choice above asks
+            bar = (1 + self.draft_margin) * goodput[0]
         worth = [k for k in self.candidates if k != best and optimistic[k] > bar]
         explore = max(worth, key=lambda k: (optimistic[k], -k)) if worth else None
         return best, explore, goodput, costs
@@ -277,7 +308,7 @@ class AutoPolicy(SpeculationPolicy):
         st.steps += 1
         for other in self._buckets.values():
             other.share *= 1 - self.share_decay
-        st.share += self.share_decay
+        st.share += self.share_decay * batch_size
         k, left = st.burst
         if left > 0:
             st.burst = (k, left - 1)
@@ -331,8 +362,10 @@ class AutoPolicy(SpeculationPolicy):
 
     def drafting(self) -> bool:
         """Whether prompts should be fed to the draft as they are prefilled: False once the batch-size buckets
-        that want drafts (k* > 0, or not yet measured) ran less than `draft_share` of recent steps. A row
-        prefilled without the draft that later drafts is caught up then (the same work, deferred)."""
+        that want drafts (k* > 0, or not yet measured) ran less than `draft_share` of recent rows (steps weighted
+        by their rows, so by the tokens they generate: a batch draining to a row or two at the end of an offline
+        run does not make every prompt pay the draft's prefill). A row prefilled without the draft that later
+        drafts is caught up then (the same work, deferred)."""
         if self.k_max == 0:
             return False
         if not self._buckets:
@@ -367,6 +400,7 @@ class AutoPolicy(SpeculationPolicy):
             st.explore_steps += 1
             st.exploring = False
         st.by_k[k] = st.by_k.get(k, 0) + 1
+        st.rows = batch_size if st.rows == 0 else st.rows + 0.1 * (batch_size - st.rows)
         if k != st.best:
             st.planned = None  # a measurement of another k: plan again at once
         steady = seconds - min(catchup_s, 0.9 * seconds)
@@ -385,6 +419,20 @@ class AutoPolicy(SpeculationPolicy):
             self._accepted[i] += n
             reached = float(n)
 
+    def observe_prefill(self, num_tokens: int, draft_seconds: float) -> None:
+        if draft_seconds <= 0 or num_tokens <= 0:
+            return  # the draft was not fed: nothing learnt about its prefill speed
+        keep = 1 - self.prefill_decay
+        self._draft_prefill_s = keep * self._draft_prefill_s + draft_seconds
+        self._draft_prefill_tokens = keep * self._draft_prefill_tokens + num_tokens
+
+    def observe_finished(self, prompt_tokens: int, output_tokens: int) -> None:
+        if output_tokens <= 0:
+            return
+        keep = 1 - self.request_decay
+        self._prompt_tokens = keep * self._prompt_tokens + prompt_tokens
+        self._output_tokens = keep * self._output_tokens + output_tokens
+
     def _decay(self, keep: float) -> None:
         self._tried = [x * keep for x in self._tried]
         self._accepted = [x * keep for x in self._accepted]
@@ -396,13 +444,14 @@ class AutoPolicy(SpeculationPolicy):
         return {(b, k): g for b in self.summary() for k, g in self.plan(b)[2].items()}
 
     def summary(self) -> dict:
-        """Per bucket: steps per k, the share of decode seconds spent exploring, and k* now."""
+        """Per bucket: steps per k, the share of decode seconds spent exploring, k* now, and o (milliseconds)."""
         return {
             b: {
                 "steps_by_k": dict(sorted(st.by_k.items())),
                 "explore_fraction": st.explore_s / st.total_s if st.total_s else 0.0,
                 "explore_steps": st.explore_steps,
                 "best_k": self.plan(b)[0],
+                "draft_prefill_ms_per_token": 1e3 * self.draft_overhead(),  # o, the same for every bucket
             }
             for b, st in sorted(self._buckets.items())
         }

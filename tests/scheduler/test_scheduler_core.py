@@ -277,6 +277,42 @@ def test_the_policy_observes_acceptance_per_position_and_the_rows_that_drafted()
     assert policy.seen and policy.seen[0] == (2, 3, (1, 1, 0), 1)
 
 
+@pytest.mark.parametrize("k", [0, 3])
+def test_the_policy_observes_prefills_and_finished_requests(k):
+    """What the draft's prefill costs per generated token: each prefill step's prompt tokens and its draft seconds
+    (0 when prompts skip the draft), and each finished request's prompt and output lengths."""
+    from dataclasses import replace
+
+    from exspec.scheduler.policies.fixed import FixedPolicy
+
+    class DraftTimed(FakeEngine):
+        def prefill(self, batch):
+            out = super().prefill(batch)
+            fed = sum(c.end - c.start for c in batch.chunks)
+            return replace(out, draft_s=0.001 * fed if batch.draft else 0.0)
+
+    class Recording(FixedPolicy):
+        def __init__(self):
+            super().__init__(k)
+            self.prefills, self.finished = [], []
+
+        def observe_prefill(self, num_tokens, draft_seconds):
+            self.prefills.append((num_tokens, draft_seconds))
+
+        def observe_finished(self, prompt_tokens, output_tokens):
+            self.finished.append((prompt_tokens, output_tokens))
+
+    policy = Recording()
+    core = SchedulerCore(DraftTimed(), SchedulerConfig(max_batch_size=2, pool_size=2, num_speculative_tokens=k,
+                                                       speculation="fixed"), speculation=policy)
+    core.add(req(0, prompt_len=5, max_tokens=3))
+    core.add(req(1, prompt_len=7, max_tokens=4))
+    run_all(core)
+    assert sum(n for n, _ in policy.prefills) == 12
+    assert sum(s for _, s in policy.prefills) == pytest.approx(0.012 if k else 0.0)
+    assert sorted(policy.finished) == [(5, 3), (7, 4)]
+
+
 def _planned_batches(plan):
     """The engine steps calibrate runs for a plan: an unreported k = 0 step first at each batch size."""
     steps, seen = [], set()

@@ -342,7 +342,9 @@ def test_drafting_says_whether_prompts_need_the_draft():
     _run_auto(loses, loses_world, 8, 300)
     assert not loses.drafting()  # k = 0 measured best: prompts may skip the draft
     _run_auto(loses, pays_world, 1, 60)
-    assert loses.drafting()  # a batch size that drafts runs a large share of the recent steps
+    assert not loses.drafting()  # a few steps of one row each: a small share of the recent rows
+    _run_auto(loses, pays_world, 1, 240)
+    assert loses.drafting()  # a batch size that drafts runs a large share of the recent rows
     _run_auto(loses, loses_world, 8, 2000)
     assert not loses.drafting()  # and no longer does
     pays = create("auto", 4)
@@ -361,6 +363,39 @@ def test_auto_weighs_k_without_the_one_off_catch_up():
         catchup = 20 * s if k > 0 and step % 5 == 0 else 0.0  # a big one-off catch-up every fifth step
         policy.observe(1, k, n, s + catchup, catchup, accepted, 1)
     assert policy.plan(1)[0] == world.best(1, range(5)) == 4
+
+
+def test_auto_charges_drafting_for_the_drafts_prefill():
+    """Every prompt is prefilled into the draft too, which costs o seconds per generated token (the draft's
+    seconds per prompt token x prompt tokens per generated token). Where drafting gains 10% per step but o
+    makes every k > 0 lose by 16%, the policy settles on k = 0 and stops feeding prompts to the draft; with the
+    same steps and no such reports it drafts. o leaves the choice among k > 0 alone where drafting pays."""
+    def with_overhead(policy):  # o = 0.0001 s per prompt token x 10 prompt tokens per output token = 1 ms
+        for _ in range(40):
+            policy.observe_prefill(320, 0.032)
+            policy.observe_finished(320, 32)
+        return policy
+
+    world = _World(STRONG, 0.3, 0.5, seed=2)
+    o = 0.001
+
+    def goodput(k):  # tokens per second, the draft's prefill included
+        tokens = 8 * _expected_tokens(STRONG, k)
+        return tokens / (world.cost(8, k) + (o * tokens if k else 0.0))
+
+    assert world.best(8, range(9)) == 2 and world.goodput(8, 2) >= 1.09 * world.goodput(8, 0)  # the premise
+    assert max(goodput(k) for k in range(1, 9)) <= 0.86 * goodput(0)
+    policy = with_overhead(create("auto", 8))
+    assert policy.draft_overhead() == pytest.approx(o)
+    chosen, _ = _run_auto(policy, world, 8, 400)
+    assert chosen[100:].count(0) >= 0.95 * len(chosen[100:]) and not policy.drafting()
+    chosen, _ = _run_auto(create("auto", 8), _World(STRONG, 0.3, 0.5, seed=2), 8, 400)
+    assert chosen[100:].count(0) < 0.5 * len(chosen[100:])
+
+    acc, jump, slope, batch, _ = REGIMES["pays-k4"]  # at batch size 1 drafting pays: 1 ms per token changes nothing
+    runs = [_run_auto(p, _World(acc, jump, slope, seed=3), batch, 400)[0]
+            for p in (with_overhead(create("auto", 8)), create("auto", 8))]
+    assert runs[0] == runs[1] and runs[0][-1] > 0
 
 
 def test_auto_borrows_relative_costs_so_a_losing_draft_is_not_explored_at_every_batch_size():
