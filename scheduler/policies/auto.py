@@ -34,10 +34,8 @@ Goodput per row: G(k) = T / (c(k) + o * n * T) for k > 0, T = 1 + f * (E(k) - 1)
 fraction of rows that draft when k > 0 (rows that opted out emit one token whatever k is), n the bucket's
 mean rows per step. o leaves the choice among k > 0 as it is (a cost per token, the same for every k > 0):
 it decides between drafting and not. The step runs k* = argmax G, and k = 0 unless some k beats
-it by `draft_margin` (near-ties go to plain decoding: it skips the draft's prefill too, `drafting()`; and what
-the models leave out falls on drafting's side: rows that advance unevenly drain a closed batch more slowly, and
-a bucket's median cost mixes steps of different row counts); between two k > 0 the one running stays unless
-the other beats it by `margin`. The plan is computed again every
+it by `margin` (near-ties go to plain decoding: it skips the draft's prefill too, `drafting()`); between two
+k > 0 the one running stays unless the other beats it by `margin`. The plan is computed again every
 `replan_every` steps of a bucket and after any step that measured another k (a plan costs ~0.1 ms of Python,
 a choice from the last one ~0.01 ms).
 
@@ -107,7 +105,6 @@ class AutoPolicy(SpeculationPolicy):
         prior_strength: float = 4.0,
         prior_slope: float = 0.15,
         margin: float = 0.02,
-        draft_margin: float = 0.05,
         z: float = 1.0,
         budget: float = 0.03,
         free_steps: int = 12,
@@ -124,7 +121,6 @@ class AutoPolicy(SpeculationPolicy):
         self.window, self.min_samples = window, min_samples
         self.accept_decay, self.idle_decay, self.prior_strength = accept_decay, idle_decay, prior_strength
         self.prior_slope, self.margin, self.z = prior_slope, margin, z
-        self.draft_margin = draft_margin
         self.budget, self.free_steps, self.stale_steps = budget, free_steps, stale_steps
         self.share_decay, self.draft_share, self.fit_weight = share_decay, draft_share, fit_weight
         self.replan_every = replan_every
@@ -288,14 +284,12 @@ class AutoPolicy(SpeculationPolicy):
                 c, low = c + per_token * t, low + per_token * t_up
             goodput[k], optimistic[k] = t / c, t_up / low
         best = max(self.candidates, key=lambda k: (goodput[k], -k))
-        if goodput[best] < (1 + self.draft_margin) * goodput[0]:
+        if goodput[best] < (1 + self.margin) * goodput[0]:
             best = 0
         held = st.best
         if held in goodput and best != 0 and held != 0 and goodput[best] < (1 + self.margin) * goodput[held]:
             best = held  # hysteresis among k > 0: a near-tie does not switch
         bar = (1 + self.margin) * goodput[best]
-        if best == 0:  # a draft is worth measuring if it could beat k = 0 by what the choice above asks
-            bar = (1 + self.draft_margin) * goodput[0]
         worth = [k for k in self.candidates if k != best and optimistic[k] > bar]
         explore = max(worth, key=lambda k: (optimistic[k], -k)) if worth else None
         return best, explore, goodput, costs
