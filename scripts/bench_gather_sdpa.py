@@ -56,33 +56,45 @@ def one_row() -> None:
                   f"K gathered into a kept buffer {bench(kept):.1f} us")
 
 
+def rows_against_batched(lens: list[int], Q: int) -> tuple[float, float]:
+    """Microseconds of attention over rows holding `lens` keys (Q queries each): one SDPA call per row over a view
+    of its blocks, against one gather of every row's blocks into a kept buffer and one call, masked per row where
+    the lengths differ (one causal mask, or none for Q = 1, where they are all equal)."""
+    B, L = len(lens), max(lens)
+    nb = -(-L // BS)
+    pool = torch.randn(B * nb + 1, BS, KVH, HD)
+    flat = pool.view(-1, KVH, HD)
+    q = torch.randn(B, H, Q, HD)
+    if len(set(lens)) == 1:
+        mask = torch.ones(1, 1, Q, L, dtype=torch.bool).tril(L - Q) if Q > 1 else None  # [1, 1, Q, L]
+    else:
+        pos = torch.tensor(lens)[:, None] - Q + torch.arange(Q)  # [B, Q]: each query's position
+        mask = (torch.arange(L)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, Q, L]
+
+    def rows():
+        out = q.new_empty(B, Q, H, HD)
+        for b in range(B):
+            s = (1 + b * nb) * BS
+            k = flat[s : s + lens[b]].transpose(0, 1)[None]
+            m = None if Q == 1 else mask[b if mask.shape[0] > 1 else 0][None, :, :, : lens[b]]  # [1, 1, Q, lens[b]]
+            out[b] = F(q[b : b + 1], k, k, attn_mask=m, enable_gqa=True)[0].transpose(0, 1)
+        return out
+
+    ids = torch.tensor([[1 + b * nb + i for i in range(nb)] for b in range(B)]).reshape(-1)
+    buf = torch.empty(B * nb, BS, KVH, HD)
+
+    def batched():
+        torch.index_select(pool, 0, ids, out=buf)
+        k = buf.view(B, nb * BS, KVH, HD)[:, :L].transpose(1, 2)
+        return F(q, k, k, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+
+    return bench(rows), bench(batched)
+
+
 def eight_rows() -> None:
-    B = 8
     for L in (128, 384, 1024):
         for Q in (1, 5):
-            nb = -(-L // BS)
-            pool = torch.randn(B * nb + 1, BS, KVH, HD)
-            flat = pool.view(-1, KVH, HD)
-            q = torch.randn(B, H, Q, HD)
-            mask = torch.ones(1, 1, Q, L, dtype=torch.bool).tril(L - Q) if Q > 1 else None
-
-            def rows():
-                out = q.new_empty(B, Q, H, HD)
-                for b in range(B):
-                    s = (1 + b * nb) * BS
-                    k = flat[s : s + L].transpose(0, 1)[None]
-                    out[b] = F(q[b : b + 1], k, k, attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
-                return out
-
-            ids = torch.tensor([[1 + b * nb + i for i in range(nb)] for b in range(B)]).reshape(-1)
-            buf = torch.empty(B * nb, BS, KVH, HD)
-
-            def batched():
-                torch.index_select(pool, 0, ids, out=buf)
-                k = buf.view(B, nb * BS, KVH, HD)[:, :L].transpose(1, 2)
-                return F(q, k, k, attn_mask=mask, enable_gqa=True).transpose(1, 2)
-
-            a, c = bench(rows), bench(batched)
+            a, c = rows_against_batched([L] * 8, Q)
             print(f"8 rows, {L} keys, Q = {Q}: 8 calls over views {a:.1f} us, one gather + one call {c:.1f} us "
                   f"({c / a:.2f}x)")
 
@@ -92,33 +104,8 @@ def unequal_rows() -> None:
     for shortest, spread in ((128, 40), (300, 50), (300, 300), (800, 100)):
         for Q in (1, 5):
             lens = [shortest + spread * b // (B - 1) for b in range(B)]  # keys each row holds
-            L = max(lens)
-            nb = -(-L // BS)
-            pool = torch.randn(B * nb + 1, BS, KVH, HD)
-            flat = pool.view(-1, KVH, HD)
-            q = torch.randn(B, H, Q, HD)
-            pos = torch.tensor(lens)[:, None] - Q + torch.arange(Q)  # [B, Q]: each query's position
-            mask = (torch.arange(L)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, Q, L]
-
-            def rows():
-                out = q.new_empty(B, Q, H, HD)
-                for b in range(B):
-                    s = (1 + b * nb) * BS
-                    k = flat[s : s + lens[b]].transpose(0, 1)[None]
-                    m = mask[b : b + 1, :, :, : lens[b]] if Q > 1 else None
-                    out[b] = F(q[b : b + 1], k, k, attn_mask=m, enable_gqa=True)[0].transpose(0, 1)
-                return out
-
-            ids = torch.tensor([[1 + b * nb + i for i in range(nb)] for b in range(B)]).reshape(-1)
-            buf = torch.empty(B * nb, BS, KVH, HD)
-
-            def batched():
-                torch.index_select(pool, 0, ids, out=buf)
-                k = buf.view(B, nb * BS, KVH, HD)[:, :L].transpose(1, 2)
-                return F(q, k, k, attn_mask=mask, enable_gqa=True).transpose(1, 2)
-
-            a, c = bench(rows), bench(batched)
-            fill = sum(lens) / (B * L)
+            a, c = rows_against_batched(lens, Q)
+            fill = sum(lens) / (B * max(lens))
             print(f"8 rows, {lens[0]} to {lens[-1]} keys (fill {fill:.2f}), Q = {Q}: 8 calls over views {a:.1f} us, "
                   f"one gather + one masked call {c:.1f} us ({c / a:.2f}x)")
 
