@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from exspec.engine.params import SamplingParams
 from exspec.scheduler.core import EngineProtocol, SchedulerCore
@@ -80,8 +80,13 @@ def generate_offline(
     speculation: SpeculationPolicy | None = None,
 ) -> tuple[list[OfflineResult], RunSummary]:
     """Run every prompt to completion; results come back in input order. `speculation`: a policy to keep
-    across calls (what it measured carries over, as in a server); None: a fresh one from `config`."""
-    core = SchedulerCore(engine, config, speculation)
+    across calls (what it measured carries over, as in a server); None: a fresh one from `config`.
+
+    No stream waits between two tokens of an offline run, so its prefill chunks are not cut to
+    `max_prefill_chunk_s` (a server's inter-token latency bound): a long prompt is prefilled in chunks of
+    `max_prefill_tokens` and joins the decode batch sooner, and a large chunk costs less per token than a small one
+    (on this CPU the 350m synthetic target: 4.5 ms a token at 16 tokens, 2.9 ms at 128 to 256)."""
+    core = SchedulerCore(engine, replace(config, max_prefill_chunk_s=0.0), speculation)
     reqs = [Request(str(i), list(p), sp, order=i) for i, (p, sp) in enumerate(zip(prompts, params))]
     for r in reqs:
         core.add(r)

@@ -188,3 +188,54 @@ def test_a_slow_prefill_is_cut_to_seconds_while_streams_run(k):
     chunk_s = 0.15
     assert longest_gap(chunk_s) <= decode + (decode + chunk_s) + 1e-9
     assert longest_gap(0.0) >= 512 * slow
+
+
+class ChunkLog(TimedEngine):
+    """TimedEngine that records, for every prefill chunk of the long prompt (the only one past 20 tokens),
+    its length and whether rows were already decoding."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.decode_steps = 0
+        self.long_chunks: list[tuple[int, bool]] = []  # (tokens, rows were decoding)
+
+    def prefill(self, batch):
+        for c in batch.chunks:
+            if c.end > 20:
+                self.long_chunks.append((c.end - c.start, self.decode_steps > 0))
+        return super().prefill(batch)
+
+    def step(self, batch):
+        self.decode_steps += 1
+        return super().step(batch)
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_an_offline_run_does_not_cut_prefill_chunks_for_streams(k):
+    """max_prefill_chunk_s bounds a stream's gap between two tokens; an offline run has no stream. With a slow
+    prefill (2 ms a token: a 0.15 s cut is 75 tokens), a 2000-token prompt beside 8 decoding rows is
+    prefilled in chunks of max_prefill_tokens by generate_offline, in cut chunks by the same core driven as a
+    server drives it; the outputs are the same."""
+    from exspec.scheduler.offline import generate_offline
+
+    config = SchedulerConfig(max_batch_size=8, pool_size=16, max_prefill_tokens=512, max_prefill_chunk_s=0.15,
+                             num_speculative_tokens=k, speculation="fixed")
+    prompts = [[1 + (j % 90) for j in range(n)] for n in [20] * 8 + [2000]]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in [3000] * 8 + [4]]  # rows outlive the prompt
+
+    offline = ChunkLog(0.002, num_slots=128, max_model_len=10_000)
+    results, _ = generate_offline(offline, prompts, params, config)
+
+    served = ChunkLog(0.002, num_slots=128, max_model_len=10_000)
+    core = SchedulerCore(served, config)
+    reqs = [Request(str(i), list(p), sp, order=i) for i, (p, sp) in enumerate(zip(prompts, params))]
+    for r in reqs:
+        core.add(r)
+    while core.has_work():
+        core.step()
+
+    beside = [n for n, decoding in served.long_chunks if decoding]
+    assert beside and max(beside) <= 0.15 / 0.002, served.long_chunks  # cut while rows decode
+    beside = [n for n, decoding in offline.long_chunks if decoding]
+    assert beside and min(beside[:-1]) == 512, offline.long_chunks  # whole chunks, the last one the rest
+    assert [r.token_ids for r in results] == [r.output_token_ids for r in reqs]
