@@ -19,7 +19,7 @@ from exspec.engine.types import PrefillBatch, PrefillChunk, StepBatch, StepOutpu
 from exspec.errors import CapacityError, ConfigError, ExspecError, InvalidRequestError
 from exspec.scheduler import policies
 from exspec.scheduler.policies import SpeculationPolicy
-from exspec.scheduler.policy import Candidate, age_threshold_for, choose_batch, plan_prefill
+from exspec.scheduler.policy import Candidate, PrefillCost, age_threshold_for, choose_batch, plan_prefill
 from exspec.scheduler.request import IncrementalDetokenizer, Request, RequestState
 from exspec.scheduler.stopping import StopRule
 from exspec.scheduler.types import RequestOutput, SchedulerConfig, StepStats
@@ -92,6 +92,7 @@ class SchedulerCore:
         self._prefill_credit = 0.0  # seconds of engine time prefill may still take before decode's turn
         self._decoded_last = False  # the last step was a decode step (a prefill chunk may fill its free places)
         self._prefill_s_per_token = 0.0  # measured prefill speed (padding included); 0: not measured yet
+        self._prefill_cost = PrefillCost()  # a prefill step's seconds against its padded tokens (plan_prefill)
         self._pending: list[Delta] = []  # deltas of requests that failed outside a step's results
         self.num_left_waiting = 0  # requests that left `waiting` (admitted or aborted): monotonic
         self.num_preemptions = 0  # running sequences sent back to `waiting` to be recomputed: monotonic
@@ -324,7 +325,8 @@ class SchedulerCore:
         return budget
 
     def _prefill_step(self, prefilling: list[Request], t0: float, budget: int) -> tuple[list[Delta], list[StepStats]]:
-        n, width = plan_prefill([r.prompt_len - r.num_prefilled for r in prefilling], budget)
+        overhead = self._prefill_cost.overhead_tokens(self.config.max_prefill_tokens)
+        n, width = plan_prefill([r.prompt_len - r.num_prefilled for r in prefilling], budget, overhead)
         reqs = prefilling[:n]
         draft = self.speculation.drafting()  # False: the policy runs without drafts; steps that draft catch up
         ends = {r.seq_id: min(r.prompt_len, r.num_prefilled + width) for r in reqs}  # seq_id -> end of this chunk
@@ -352,6 +354,7 @@ class SchedulerCore:
         """Seconds per prefill token (rows x width: padding costs what a token costs), decayed."""
         if seconds <= 0 or tokens <= 0:
             return
+        self._prefill_cost.observe(tokens, seconds)
         rate = seconds / tokens
         old = self._prefill_s_per_token
         self._prefill_s_per_token = rate if old == 0 else old + PREFILL_SPEED_DECAY * (rate - old)

@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--speculation", default="auto")
     ap.add_argument("--k", type=int, default=4, help="k (fixed) or the largest k (auto); 0: the target alone")
     ap.add_argument("--runs", type=int, default=4)
+    ap.add_argument("--pool-size", type=int, default=0, help="W; 0: every prompt (as the bench, up to 4 x B)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     pair = Path(args.pair)
@@ -41,8 +42,10 @@ def main() -> None:
                                      max_num_speculative_tokens=args.k))
     prompts = encode_prompts(engine.tokenizer, load_questions("specbench", args.num_prompts), False)
     print("prompt lengths", [len(p) for p in prompts])
-    cfg = SchedulerConfig(max_batch_size=args.batch_size, pool_size=max(args.batch_size, len(prompts)),
-                          num_speculative_tokens=args.k, speculation=args.speculation)
+    pool = args.pool_size or max(args.batch_size, len(prompts))
+    # max_prefill_chunk_s 0: what generate_offline and the bench run (no stream waits offline)
+    cfg = SchedulerConfig(max_batch_size=args.batch_size, pool_size=pool, num_speculative_tokens=args.k,
+                          speculation=args.speculation, max_prefill_chunk_s=0.0)
     policy = policies.create(cfg.speculation, args.k)
     for run in range(args.runs):
         core = SchedulerCore(engine, cfg, policy)

@@ -311,25 +311,67 @@ def test_auto_counts_acceptance_per_position():
     assert world.best(4, range(5)) == 1 and policy.plan(4)[0] == 1
 
 
-def test_plan_prefill_bounds_padding_and_cuts_prompts_only_where_it_pays():
-    from exspec.scheduler.policy import plan_prefill
+def test_plan_prefill_trades_padding_against_steps():
+    from exspec.scheduler.policy import DEFAULT_STEP_OVERHEAD_TOKENS, plan_prefill
 
+    gpu = 10_000  # a forward's fixed cost dominates: the most real tokens, padding or not
     assert plan_prefill([], 512) == (0, 0)
     assert plan_prefill([964], 512) == (1, 512)  # chunked, alone
     assert plan_prefill([10] * 100, 512) == (51, 10)  # 51 whole prompts, no padding, none cut
     assert plan_prefill([964, 20, 20], 512) == (1, 512)  # the long one first, nothing padded beside it
-    assert plan_prefill([20, 964, 20], 512) == (2, 256)  # cut: 276 real tokens against 20 whole
+    assert plan_prefill([20, 964, 20], 512, gpu) == (2, 256)  # cut: 276 real tokens against 20 whole
+    assert plan_prefill([20, 964, 20], 512, 16) == (1, 20)  # 20 / 36 against 276 / 528 per token of cost
     assert plan_prefill([100] * 5 + [600], 512) == (5, 100)  # 500 whole against 510 cut: nothing cut
     assert plan_prefill([1] * 600, 512) == (128, 1)  # at most MAX_PREFILL_ROWS rows per step
-    for remaining in ([3, 1, 4, 1, 5, 9, 2, 6], [700, 600, 15, 15], [1] * 600, [513], [15, 964, 17, 611, 20]):
+    assert plan_prefill([4, 4, 1], 512, 16) == (3, 4)  # 3 padded tokens cost less than a step of its own
+    # The 350m protocol's prompts at B = 1 in a pool of 4: three short ones whole, not four cut to 128
+    assert plan_prefill([22, 23, 18, 269], 512, 14) == (3, 23)
+    assert plan_prefill([22, 23, 18, 269], 512, gpu) == (4, 128)
+    assert plan_prefill([269, 9, 9, 31, 610], 512, 14) == (1, 269)
+    assert plan_prefill([9, 9, 31], 512, 0) == (2, 9)  # no fixed cost: no padding at all
+    assert plan_prefill([9, 9, 31], 512, gpu) == (3, 31)
+    for remaining in ([3, 1, 4, 1, 5, 9, 2, 6], [700, 600, 15, 15], [1] * 600, [513], [15, 964, 17, 611, 20],
+                      [22, 23, 18, 269, 9, 9, 31, 610]):
         for budget in (1, 7, 64, 512):
-            n, w = plan_prefill(remaining, budget)
-            assert 1 <= n <= len(remaining) and 1 <= w
-            assert n * min(w, max(remaining[:n])) <= budget  # padded cost within the budget
-            real = sum(min(x, w) for x in remaining[:n])
-            rows = min(len(remaining), budget, 128)
-            best = max(sum(min(x, budget // m) for x in remaining[:m]) for m in range(1, rows + 1))
-            assert 2 * real >= best  # at least half of what the best FIFO prefix could prefill
+            for overhead in (0, DEFAULT_STEP_OVERHEAD_TOKENS, 100, gpu):
+                n, w = plan_prefill(remaining, budget, overhead)
+                assert 1 <= n <= len(remaining) and 1 <= w
+                assert n * min(w, max(remaining[:n])) <= budget  # padded cost within the budget
+                # the uncut prefix: each next prompt joins while that costs at most a step of its own
+                m = 0
+                while m < min(len(remaining), 128) and (m + 1) * max(remaining[: m + 1]) <= budget and (
+                    m == 0 or (m + 1) * max(remaining[: m + 1]) - m * max(remaining[:m]) <= remaining[m] + overhead
+                ):
+                    m += 1
+                if w < max(remaining[:n]):  # a cut step: worth more than the uncut one, over twice its tokens
+                    real = sum(min(x, w) for x in remaining[:n])
+                    if m:
+                        uncut = sum(remaining[:m])
+                        assert real > 2 * uncut
+                        assert real / (n * w + overhead) > uncut / (m * max(remaining[:m]) + overhead)
+                else:
+                    assert (n, w) == (m, max(remaining[:m]))
+
+
+def test_prefill_cost_fits_a_line_and_says_what_a_step_costs_in_tokens():
+    from exspec.scheduler.policy import DEFAULT_STEP_OVERHEAD_TOKENS, PrefillCost
+
+    cost = PrefillCost()
+    assert cost.overhead_tokens(512) == DEFAULT_STEP_OVERHEAD_TOKENS  # nothing measured
+    cost.observe(100, 0.035 + 100 * 0.0025)
+    assert cost.line() is None and cost.overhead_tokens(512) == DEFAULT_STEP_OVERHEAD_TOKENS  # one size only
+    for tokens in (9, 22, 64, 191, 269, 512):
+        cost.observe(tokens, 0.035 + tokens * 0.0025)  # the 350m synthetic target on one CPU core, about
+    fixed, per_token = cost.line()
+    assert abs(fixed - 0.035) < 1e-6 and abs(per_token - 0.0025) < 1e-9
+    assert abs(cost.overhead_tokens(512) - 14.0) < 1e-3
+    for _ in range(200):  # the device changes (a GPU: a forward costs the same up to hundreds of tokens)
+        for tokens in (16, 256, 512):
+            cost.observe(tokens, 0.010 + tokens * 0.00001)
+    assert abs(cost.overhead_tokens(10_000) - 1000) < 1 and cost.overhead_tokens(512) == 512  # capped
+    cost.observe(0, 1.0)
+    cost.observe(5, 0.0)  # nothing measured: ignored
+    assert cost.overhead_tokens(512) == 512
 
 
 def test_drafting_says_whether_prompts_need_the_draft():
