@@ -262,13 +262,17 @@ class SpecEngine:
         # the draft is caught up by its first drafting step instead).
         fed = [batch.draft and self.draft is not None and st.draft_len == c.start for c, st in zip(chunks, states)]
         t0 = self._clock.mark()
+        draft_logits = None  # [B, 1, V]: the draft's at each prompt's end, where every chunk fed it
         if all(fed):
-            self.draft.extend(tokens, starts, slots, select=last)
+            draft_logits = self.draft.extend(tokens, starts, slots, select=last)
         elif any(fed):
             idx = [i for i, f in enumerate(fed) if f]
             rows = to_device(idx, dev)  # [b]
             self.draft.extend(tokens[rows], [starts[i] for i in idx], [slots[i] for i in idx], select=last[rows])
         t1 = self._clock.mark()
+        plan = self._fused_plan(batch, states) if draft_logits is not None else None
+        if plan is not None:
+            return self._fused_prefill(plan, chunks, tokens, starts, last, draft_logits, t0, t1)
         logits = self.target.extend(tokens, starts, slots, select=last)  # [B, 1, V]
         rows = self._row_params(states, slot_t)
         positions = to_device([st.prompt_len for st in states], dev)[:, None]  # [B, 1]
@@ -294,6 +298,49 @@ class SpecEngine:
             accepted_per_position=(),
             draft_s=self._clock.seconds(t0, t1),
             verify_s=self._clock.seconds(t1, t2),
+        )
+
+    def _fused_plan(self, batch: PrefillBatch, states) -> StepPlan | None:
+        """The step plan of a fused prefill (each chunk completes its prompt and was fed to the draft, k > 0, some
+        row may draft, the blocks for the drafts free), or None: the prefill samples one token a row."""
+        k = min(batch.num_draft_tokens, self.max_k)
+        if k <= 0 or any(c.end != st.prompt_len for c, st in zip(batch.chunks, states)):
+            return None
+        if not any(st.params.use_speculation for st in states):
+            return None
+        try:
+            return self._make_plan(tuple(c.seq_id for c in batch.chunks), states, k)
+        except CapacityError:  # no blocks for the drafts' positions: prefill without them (nothing changed)
+            return None
+
+    def _fused_prefill(self, plan: StepPlan, chunks, tokens, starts, last, draft_logits, t0, t1) -> StepOutput:
+        """The prompts' last chunks, already fed to the draft (`draft_logits` [B, 1, V], at each prompt's end):
+        the draft proposes k tokens, and one target forward reads each chunk with its drafts and verifies them
+        (Hugging Face assisted generation's first forward): a row emits up to k + 1 tokens, where an unfused
+        prefill emits one and the first step verifies the drafts in a forward of its own."""
+        dev = self.device
+        draft = self._draft_loop(plan, draft_logits)  # tokens [B, k]
+        k = plan.k
+        cols = torch.arange(k + 1, device=dev)  # [k + 1]
+        # Each row's drafts right after its chunk (rows shorter than the widest: over their padding).
+        wide = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], k)], dim=1)  # [B, Q + k]
+        wide.scatter_(1, last + 1 + cols[None, :k], draft.tokens)
+        logits = self.target.extend(wide, starts, list(plan.slots), select=last + cols[None, :])  # [B, k + 1, V]
+        logits = self._suppress_stops(logits, plan.states, list(plan.generated))
+        out_tokens, num_accepted = self._accept(plan, draft, logits)
+        t3 = self._clock.mark()
+        seconds = self._clock.seconds
+        for chunk, st in zip(chunks, plan.states):
+            st.num_prefilled = chunk.end
+        out = self._commit(plan, out_tokens, num_accepted, seconds(t0, t1), seconds(t1, t3))
+        return StepOutput(
+            outputs=out.outputs,
+            kind="prefill",
+            batch_size=out.batch_size,
+            num_draft_tokens=k,
+            accepted_per_position=out.accepted_per_position,
+            draft_s=seconds(t0, t1),  # the draft's prefill; its proposals are in verify_s with the fused forward
+            verify_s=seconds(t1, t3),
         )
 
     # ------------------------------------------------------------------ speculative step
@@ -328,7 +375,10 @@ class SpecEngine:
                     f"sequence {sid} cannot step: prefilled {st.num_prefilled}/{st.prompt_len}, "
                     f"length {st.length} of at most {self.max_model_len}"
                 )
-        k = min(batch.num_draft_tokens, self.max_k)
+        return self._make_plan(tuple(batch.seq_ids), states, batch.num_draft_tokens)
+
+    def _make_plan(self, seq_ids: tuple[int, ...], states, num_draft_tokens: int) -> StepPlan:
+        k = min(num_draft_tokens, self.max_k)
         lengths = tuple(st.length for st in states)
         # A row emits at most row_k + 1 tokens, so it never passes max_model_len.
         row_k = tuple(
@@ -344,7 +394,7 @@ class SpecEngine:
         cols = torch.arange(k + 1, device=dev)  # [k + 1]
         allow = cols[None, :k] < to_device(list(row_k), dev)[:, None]  # [B, k]
         return StepPlan(
-            seq_ids=tuple(batch.seq_ids),
+            seq_ids=seq_ids,
             states=tuple(states),
             lengths=lengths,
             slots=slots,
@@ -399,6 +449,11 @@ class SpecEngine:
         tokens = self._tokens(plan.slot_t, starts, width)  # [B, W]
         last = to_device([n - 1 - s for n, s in zip(plan.lengths, starts)], dev)[:, None]  # [B, 1]
         logits = self.draft.extend(tokens, starts, list(plan.slots), select=last, force_per_row=mixed)  # [B, 1, V]
+        return self._draft_loop(plan, logits)
+
+    def _draft_loop(self, plan: StepPlan, logits: torch.Tensor) -> Draft:
+        """k draft tokens per row from the draft's logits at the pending token ([B, 1, V]): k - 1 more forwards."""
+        mixed = not plan.grouped
         proposed, probs = [], []
         for i in range(plan.k):
             logits = self._suppress_stops(logits, plan.states, [g + i for g in plan.generated])

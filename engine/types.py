@@ -22,6 +22,8 @@ class PrefillBatch:
     chunks: tuple[PrefillChunk, ...]  # distinct sequences, each still prefilling
     draft: bool = True  # feed the chunks to the draft too. False leaves the draft behind: the first step
     # that drafts for a sequence catches its draft up (a scheduler that expects no drafts saves the work)
+    num_draft_tokens: int = 0  # k > 0: where every chunk completes its prompt and feeds the draft, the draft then
+    # proposes k tokens and the target's prefill forward verifies them with the prompt (up to k + 1 tokens a row)
 
 
 @dataclass(frozen=True)

@@ -330,11 +330,17 @@ class SchedulerCore:
         reqs = prefilling[:n]
         draft = self.speculation.drafting()  # False: the policy runs without drafts; steps that draft catch up
         ends = {r.seq_id: min(r.prompt_len, r.num_prefilled + width) for r in reqs}  # seq_id -> end of this chunk
+        # Chunks that complete their prompts may carry drafts the prefill forward verifies (the engine's fused
+        # prefill, where every chunk completes its prompt): k as the policy runs for the batch they join.
+        k = 0
+        if draft:
+            running = sum(1 for r in self.pool if r.state is RequestState.RUNNING)
+            k = self.speculation.prefill_k(min(self.config.max_batch_size, running + n))
         t1 = time.perf_counter()
 
         def call(batch: list[Request]) -> StepOutput:
             chunks = tuple(PrefillChunk(r.seq_id, r.num_prefilled, ends[r.seq_id]) for r in batch)
-            return self.engine.prefill(PrefillBatch(chunks, draft=draft))
+            return self.engine.prefill(PrefillBatch(chunks, draft=draft, num_draft_tokens=k))
 
         deltas, stats = [], []
         for batch, out in self._run_isolated(reqs, call):
@@ -346,7 +352,7 @@ class SchedulerCore:
             new, kept = self._emit(batch, out)
             deltas += new
             stats.append(self._stats(out, t1 - t0, fed, kept))
-            self._measure_prefill(out.draft_s + out.verify_s, len(batch) * width)
+            self._measure_prefill(out.draft_s + out.verify_s, len(batch) * (width + out.num_draft_tokens))
             self.speculation.observe_prefill(fed, out.draft_s if draft else 0.0)
         return deltas, stats
 

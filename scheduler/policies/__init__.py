@@ -39,6 +39,12 @@ class SpeculationPolicy:
         """k for a decode step of `batch_size` rows, 0 <= k <= k_max."""
         raise NotImplementedError
 
+    def prefill_k(self, batch_size: int) -> int:
+        """k for a prefill step whose chunks complete their prompts and feed the draft: the prefill's target
+        forward then verifies k drafts with the prompts (the engine's fused prefill). `batch_size`: the decode
+        batch the rows join. 0 (this default): the prefill samples one token a row."""
+        return 0
+
     def drafting(self) -> bool:
         """Whether steps are expected to draft: False only when the policy has measured that the batch sizes
         it runs gain nothing from drafts, so prompts can be prefilled without the draft (a step that drafts

@@ -330,6 +330,11 @@ class AutoPolicy(SpeculationPolicy):
         st.best = best
         return best
 
+    def prefill_k(self, batch_size: int) -> int:
+        """The k its bucket runs when not exploring (no step is counted, nothing is explored in a prefill)."""
+        st = self._buckets.get(bucket(batch_size))
+        return st.best if st is not None and self.k_max > 0 else 0
+
     def calibration(self, max_batch_size: int) -> list[tuple[int, int]]:
         """2 x `min_samples` steps of each k in CALIBRATION_KS (up to k_max) at each bucket up to max_batch_size,
         the k interleaved: every bucket the server will run starts with its k = 0 cost and its relative cost of

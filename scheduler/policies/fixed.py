@@ -14,3 +14,6 @@ class FixedPolicy(SpeculationPolicy):
 
     def choose(self, batch_size: int) -> int:
         return self.k_max
+
+    def prefill_k(self, batch_size: int) -> int:
+        return self.k_max

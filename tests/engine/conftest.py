@@ -63,6 +63,7 @@ TRITON_ALL = os.environ.get("EXSPEC_TEST_TRITON_ALL", "") not in ("", "0") or to
 TRITON_TOO_SLOW_INTERPRETED = {
     "test_hundred_mixed_prompts_batch8_k4",
     "test_speculative_samples_follow_target_distribution",
+    "test_fused_prefill_samples_follow_target_distribution",
     "test_statistical_check_has_power",
     # 20 to 60 s each interpreted; the shapes they give attention (Q = 1 and k + 1 over mixed lengths, rows
     # rejecting or accepting every draft, reused slots and blocks) are the kept scenarios' and the backend tests'
@@ -75,6 +76,9 @@ TRITON_TOO_SLOW_INTERPRETED = {
     "test_steps_without_speculation_match_target",  # catch-up: test_prompts_prefilled_without_the_draft_...
     "test_identical_draft_emits_k_plus_one_per_step",  # whole accepts: the chunked-prefill and grouped ones
     "test_seeded_request_is_the_same_alone_and_in_any_batch",  # sampling, not attention
+    # prefill forwards of mixed widths, Q up to 200 + k: the chunked-prefill scenarios' shapes
+    "test_fused_prefill_verifies_drafts_and_matches_target",
+    "test_fused_prefill_only_where_every_chunk_completes_its_prompt_and_fed_the_draft",
 }
 
 

@@ -202,6 +202,56 @@ def test_rows_without_speculation_mixed_with_speculating_rows(models, arch):
     assert_matches_reference(models, arch, prompts[:3], seqs, 5)
 
 
+@pytest.mark.parametrize("variant", ["noisy", "same", "disagree"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_prefill_verifies_drafts_and_matches_target(models, arch, variant):
+    """The prefill forward reads each prompt with k drafts and verifies them (Hugging Face assisted generation's
+    first forward): 16 prompts of 1 to 200 tokens in one batch (each row's drafts land over the shorter rows'
+    padding), max_tokens from 1. Token-identical to the target alone; the prefill emits k + 1 tokens a row with an
+    identical draft, 1 with a disagreeing one, and the rows' caches continue from there."""
+    k = 3
+    params = [SamplingParams(max_tokens=m) for m in MIXED_MAX]
+    seqs, outs = run_to_end(models.engine(arch, variant), MIXED, params, k, prefill_k=k)
+    first = outs[0]
+    assert first.kind == "prefill" and first.num_draft_tokens == k
+    emitted = [len(o.token_ids) for o in first.outputs]
+    if variant == "same":
+        assert emitted == [k + 1] * len(MIXED)
+        assert all(o.num_accepted == k for out in outs[1:] for o in out.outputs)  # the caches carried on
+    elif variant == "disagree":
+        assert emitted == [1] * len(MIXED)
+    else:
+        assert 1 < max(emitted)
+    assert_matches_reference(models, arch, MIXED, seqs, MIXED_MAX)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_prefill_only_where_every_chunk_completes_its_prompt_and_fed_the_draft(models, arch):
+    """A prefill batch with a chunk that does not complete its prompt, or a chunk the draft was not fed, samples one
+    token a row as before; rows that opted out of speculation verify no draft; rows near max_model_len draft fewer."""
+    engine = models.engine(arch, "same", max_model_len=64)
+    a, b, c, d = random_prompts([40, 30, 20, 61], seed=5)
+    sa, sb = admit(engine, a, SamplingParams(max_tokens=12)), admit(engine, b, SamplingParams(max_tokens=12))
+    out = prefill(engine, [(sa, 0, 20), (sb, 0, 30)], k=4)  # a's chunk does not complete its prompt
+    assert out.num_draft_tokens == 0 and [len(o.token_ids) for o in out.outputs] == [0, 1]
+    sc = admit(engine, c, SamplingParams(max_tokens=12))
+    prefill(engine, [(sc, 0, 10)], draft=False)
+    out = prefill(engine, [(sa, 20, 40), (sc, 10, 20)], k=4)  # c's draft was not fed: no drafts
+    assert out.num_draft_tokens == 0 and [len(o.token_ids) for o in out.outputs] == [1, 1]
+    se = admit(engine, c, SamplingParams(max_tokens=12, use_speculation=False))
+    sd = admit(engine, d, SamplingParams(max_tokens=12))  # 61 of 64 positions: two drafts, three tokens at most
+    sf = admit(engine, b, SamplingParams(max_tokens=12))
+    out = prefill(engine, [(se, 0, 20), (sd, 0, 61), (sf, 0, 30)], k=4)
+    assert out.num_draft_tokens == 4
+    assert [len(o.token_ids) for o in out.outputs] == [1, 3, 5]
+    assert [o.num_draft_tokens for o in out.outputs] == [0, 2, 4]
+    live = [s for s in (sa, sb, sc, se, sd, sf) if not s.finished]
+    while live:
+        step(engine, live, 4)
+        live = [s for s in live if not s.finished]
+    assert_matches_reference(models, arch, [a, b, c, c, d, b], [sa, sb, sc, se, sd, sf], [12, 12, 12, 12, 3, 12])
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_sequences_admitted_and_finished_at_different_times(models, arch):
     """Continuous batching over 4 slots: finished sequences free their slots mid-run and new prompts are

@@ -105,7 +105,7 @@ def g_test_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float
     return float(chi2.sf(g, dof))
 
 
-def sample_three(engine: SpecEngine, k: int, temperature: float, top_k: int, top_p: float):
+def sample_three(engine: SpecEngine, k: int, temperature: float, top_k: int, top_p: float, prefill_k: int = 0):
     """N_BATCH * N_ROUNDS sequences (seeds 0, 1, ...), 3 tokens each. Returns counts [V, V, V], the
     number of draft tokens proposed and accepted, and how many rows emitted token 2 after a rejection."""
     counts = torch.zeros(V, V, V, dtype=torch.long)
@@ -115,7 +115,8 @@ def sample_three(engine: SpecEngine, k: int, temperature: float, top_k: int, top
             SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p, seed=r * N_BATCH + i)
             for i in range(N_BATCH)
         ]
-        seqs, outs = run_to_end(engine, [PROMPT] * N_BATCH, params, k)
+        seqs, outs = run_to_end(engine, [PROMPT] * N_BATCH, params, k, prefill_k=prefill_k)
+        assert outs[0].num_draft_tokens == prefill_k  # the prefill verified drafts where asked to
         toks = torch.tensor([s.output_token_ids for s in seqs])  # [N_BATCH, 3]
         counts += torch.bincount(toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2], minlength=V**3).reshape(V, V, V)
         first_step = outs[1].outputs
@@ -149,6 +150,20 @@ def test_speculative_samples_follow_target_distribution(small_models, k, tempera
     assert corrected > n // 4
     # Power: the same samples are unmistakably not from the draft's distribution.
     assert g_test_pvalue(counts, exact_joint(draft, temperature, top_k, top_p)) < ALPHA
+
+
+@pytest.mark.parametrize("k, temperature, top_k, top_p", [(2, 1.0, 0, 1.0), (3, 0.7, 5, 0.9)], ids=["plain", "all"])
+def test_fused_prefill_samples_follow_target_distribution(small_models, k, temperature, top_k, top_p):
+    """The prefill forward verifies k drafts (the engine's fused prefill): its first k + 1 tokens, accepted or
+    resampled after a rejection, follow the target's joint distribution as a step's do."""
+    target, draft = small_models
+    engine = small_engine(target, draft)
+    counts, *_ = sample_three(engine, k, temperature, top_k, top_p, prefill_k=k)
+    assert int(counts.sum()) == N_BATCH * N_ROUNDS
+    joint = exact_joint(target, temperature, top_k, top_p)
+    assert g_test_pvalue(counts.sum((1, 2)), joint.sum((1, 2))) > ALPHA
+    assert g_test_pvalue(counts, joint) > ALPHA
+    assert g_test_pvalue(counts, exact_joint(draft, temperature, top_k, top_p)) < ALPHA  # power
 
 
 def test_statistical_check_has_power(small_models):

@@ -393,3 +393,42 @@ async def test_async_scheduler_calibrates_before_its_loop_starts():
             sched.calibrate([[3] * 5])
     finally:
         await sched.shutdown(1.0)
+
+
+def test_prefill_steps_carry_the_policys_k_for_the_batch_they_join():
+    """A prefill step asks the policy for k (`prefill_k`, given the decode batch its rows join) and hands it to the
+    engine, which verifies that many drafts in the prefill forward where every chunk completes its prompt; none
+    when prompts skip the draft (`drafting()` False) or the policy says 0."""
+    from exspec.scheduler.policies.fixed import FixedPolicy
+
+    class Asked(FixedPolicy):
+        def __init__(self, k, drafts=True):
+            super().__init__(k)
+            self.asked, self.drafts = [], drafts
+
+        def prefill_k(self, batch_size):
+            self.asked.append(batch_size)
+            return self.k_max - 1
+
+        def drafting(self):
+            return self.drafts
+
+    for drafts in (True, False):
+        eng, policy = FakeEngine(), Asked(3, drafts)
+        core = SchedulerCore(eng, SchedulerConfig(max_batch_size=4, pool_size=4, num_speculative_tokens=3,
+                                                  speculation="fixed", max_prefill_tokens=8), speculation=policy)
+        for i in range(3):
+            core.add(req(i, prompt_len=6, max_tokens=5))
+        run_all(core)
+        assert [b.num_draft_tokens for b in eng.prefills] == ([2] * len(eng.prefills) if drafts else [0] * 3)
+        # one 6-token prompt a step (max_prefill_tokens 8): the batch each joins has 1, 2, 3 rows
+        assert policy.asked == ([1, 2, 3] if drafts else [])
+    # the policies' own answers: fixed runs k_max, the base class none, auto the k its bucket runs
+    from exspec.scheduler.policies import SpeculationPolicy, create
+
+    assert create("fixed", 4).prefill_k(8) == 4 and create("fixed", 0).prefill_k(1) == 0
+    assert SpeculationPolicy.prefill_k(create("adaptive", 4), 1) == 0 and create("adaptive", 4).prefill_k(1) == 0
+    auto = create("auto", 4)
+    assert auto.prefill_k(1) == 0  # nothing measured: the safe incumbent
+    auto._bucket(1).best = 3
+    assert auto.prefill_k(1) == 3 and auto.prefill_k(8) == 0

@@ -66,10 +66,11 @@ def admit(engine: SpecEngine, prompt: Seq_[int], params: SamplingParams) -> Seq:
     return Seq(engine, seq_id, list(prompt), len(prompt), params, rule)
 
 
-def prefill(engine: SpecEngine, chunks: Seq_[tuple[Seq, int, int]], draft: bool = True) -> StepOutput:
-    """Prefill (seq, start, end) chunks in one call (`draft`: feed the draft too); record the first token of
-    completed prompts."""
-    out = engine.prefill(PrefillBatch(tuple(PrefillChunk(s.seq_id, a, b) for s, a, b in chunks), draft=draft))
+def prefill(engine: SpecEngine, chunks: Seq_[tuple[Seq, int, int]], draft: bool = True, k: int = 0) -> StepOutput:
+    """Prefill (seq, start, end) chunks in one call (`draft`: feed the draft too; `k`: drafts the prefill forward
+    may verify, where every chunk completes its prompt); record the tokens of completed prompts."""
+    chunks_ = tuple(PrefillChunk(s.seq_id, a, b) for s, a, b in chunks)
+    out = engine.prefill(PrefillBatch(chunks_, draft=draft, num_draft_tokens=k))
     for (s, _, _), o in zip(chunks, out.outputs):
         if o.token_ids:
             s.take(o.token_ids)
@@ -109,16 +110,20 @@ def run_to_end(
     before_step: Callable[[SpecEngine, list[Seq]], None] | None = None,
     free: bool = True,
     prefill_draft: bool = True,
+    prefill_k: int = 0,
 ) -> tuple[list[Seq], list[StepOutput]]:
-    """Admit every prompt, prefill them in one batch (the draft too unless prefill_draft is False), step
-    until all finish. k may be a function of the step index. Returns the sequences (in prompt order) and
-    every step's output (prefill first)."""
+    """Admit every prompt, prefill them in one batch (the draft too unless prefill_draft is False; `prefill_k`:
+    drafts its forward verifies), step until all finish. k may be a function of the step index. Returns the
+    sequences (in prompt order) and every step's output (prefill first)."""
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     seqs = [admit(engine, p, prm) for p, prm in zip(prompts, params)]
-    first = prefill(engine, [(s, 0, s.prompt_len) for s in seqs], draft=prefill_draft)
+    first = prefill(engine, [(s, 0, s.prompt_len) for s in seqs], draft=prefill_draft, k=prefill_k)
     assert first.kind == "prefill"
-    assert all(len(o.token_ids) == 1 for o in first.outputs)
+    if prefill_k:
+        check_step_contract(first, seqs, prefill_k)
+    else:
+        assert all(len(o.token_ids) == 1 for o in first.outputs)
     outs = [first]
     live = [s for s in seqs if not s.finished]
     n_steps = 0
