@@ -85,7 +85,7 @@ def generate_offline(
     No stream waits between two tokens of an offline run, so its prefill chunks are not cut to
     `max_prefill_chunk_s` (a server's inter-token latency bound): a long prompt is prefilled in chunks of
     `max_prefill_tokens` and joins the decode batch sooner, and a large chunk costs less per token than a small one
-    (on this CPU the 350m synthetic target: 4.5 ms a token at 16 tokens, 2.9 ms at 128 to 256)."""
+    (docs/BENCHMARKS.md section 2)."""
     core = SchedulerCore(engine, replace(config, max_prefill_chunk_s=0.0), speculation)
     reqs = [Request(str(i), list(p), sp, order=i) for i, (p, sp) in enumerate(zip(prompts, params))]
     for r in reqs:

@@ -99,13 +99,13 @@ def plan_prefill(remaining: list[int], budget: int,
         return 0, 0
     overhead = max(0.0, overhead_tokens)
     rows = remaining[: min(budget, MAX_PREFILL_ROWS)]
-    n_whole = longest = total = 0  # the uncut prefix: rows, its longest prompt, its real tokens
+    n_whole = whole_width = total = 0  # the uncut prefix: rows, its longest prompt, its real tokens
     for r in rows:
-        grown = max(longest, r)
-        if (n_whole + 1) * grown > budget or (n_whole and (n_whole + 1) * grown - n_whole * longest > r + overhead):
+        grown = max(whole_width, r)
+        if (n_whole + 1) * grown > budget or (n_whole and (n_whole + 1) * grown - n_whole * whole_width > r + overhead):
             break
-        n_whole, longest, total = n_whole + 1, grown, total + r
-    whole_worth = total / (n_whole * longest + overhead) if n_whole else -1.0
+        n_whole, whole_width, total = n_whole + 1, grown, total + r
+    whole_worth = total / (n_whole * whole_width + overhead) if n_whole else -1.0
     cut = (-1.0, 0, 0, 0)  # (real / cost, real tokens, n, width) of the best cut step
     longest = 0
     for n, r in enumerate(rows, start=1):
@@ -116,7 +116,7 @@ def plan_prefill(remaining: list[int], budget: int,
             cut = max(cut, (real / (n * width + overhead), real, n, width))
     if n_whole == 0 or (cut[0] > whole_worth and cut[1] > 2 * total):
         return cut[2], cut[3]
-    return n_whole, max(remaining[:n_whole])
+    return n_whole, whole_width
 
 
 @dataclass
