@@ -121,7 +121,8 @@ METRICS: tuple[Metric, ...] = (
            labels=("phase",), buckets=_STEP_BUCKETS),
     Metric("batch_size", Histogram, "exspec_batch_size", None, "Sequences per decode step", buckets=_BATCH_BUCKETS),
     Metric("acceptance_length", Histogram, "exspec_acceptance_length", None,
-           "Per speculative step: mean tokens emitted per sequence (1 + accepted drafts)", buckets=_ACCEPT_BUCKETS),
+           "Per speculative decode step: mean tokens emitted per sequence (1 + accepted drafts)",
+           buckets=_ACCEPT_BUCKETS),
     # --- vLLM only: vLLM's own definitions, derived from the same events
     Metric("vllm_itl", Histogram, None, "vllm:inter_token_latency_seconds", "",
            "Seconds between two steps that brought a request tokens (vLLM's name)", vllm_buckets=_VLLM_ITL_BUCKETS),
@@ -225,17 +226,20 @@ class ServerMetrics:
         self.generation_tokens.inc(stats.num_tokens)
         self.vllm_iteration_tokens.observe(stats.num_prompt_tokens + stats.num_tokens)
         self.preemptions.inc(stats.num_preemptions)
-        if stats.kind == "prefill" or stats.batch_size <= 0:
+        if stats.batch_size <= 0:
             return
-        self.batch_size.observe(stats.batch_size)
-        if stats.num_draft_tokens > 0:
-            accepted = sum(stats.accepted_per_position)
+        accepted = sum(stats.accepted_per_position)
+        if stats.num_draft_tokens > 0:  # decode steps, and prefill steps that verified drafts (fused prefill)
             self.drafts.inc(stats.num_drafts)
             self.draft_tokens.inc(stats.num_proposed_tokens)
             self.accepted_tokens.inc(accepted)
             for pos, count in enumerate(stats.accepted_per_position):
                 self.accepted_per_pos.labels(position=str(pos)).inc(count)
-            self.acceptance_length.observe(1.0 + accepted / stats.batch_size)
+        if stats.kind == "prefill":
+            return
+        self.batch_size.observe(stats.batch_size)  # of decode steps
+        if stats.num_draft_tokens > 0:
+            self.acceptance_length.observe(1.0 + accepted / stats.batch_size)  # per decode step
 
     def request_timer(self, arrival: float) -> RequestTimer:
         return RequestTimer(self, arrival)

@@ -262,6 +262,22 @@ def test_one_step_moves_both_families_alike():
     assert s[("vllm:num_preemptions_total", v)] == s[("exspec_num_preemptions_total", ())] == 2
 
 
+def test_a_fused_prefill_counts_its_drafts_but_is_no_decode_step():
+    """A prefill step whose forward verified drafts (the engine's fused prefill): its drafts and accepted tokens are
+    in the spec-decode counters, as a decode step's are; the batch-size and acceptance-length histograms stay per
+    decode step."""
+    m = ServerMetrics(model_name="m")
+    m.observe_step(_step(kind="prefill", batch_size=2, num_draft_tokens=3, num_proposed_tokens=6, num_drafts=2,
+                         accepted_per_position=(2, 1, 1), num_tokens=6, num_prompt_tokens=40))
+    s = _samples(m)
+    v = (("engine", "0"), ("model_name", "m"))
+    assert s[("vllm:spec_decode_num_drafts_total", v)] == s[("exspec_spec_decode_num_drafts_total", ())] == 2
+    assert s[("exspec_spec_decode_num_draft_tokens_total", ())] == 6
+    assert s[("vllm:spec_decode_num_accepted_tokens_total", v)] == 4
+    assert s[("exspec_spec_decode_num_accepted_tokens_per_pos_total", (("position", "2"),))] == 1
+    assert s[("exspec_acceptance_length_count", ())] == 0 and s[("exspec_batch_size_count", ())] == 0
+
+
 def _delta(n: int, finished: bool = False, done: int = 0, queue: float | None = None) -> RequestOutput:
     return RequestOutput(request_id="r", token_ids=tuple(range(n)), text="", finished=finished,
                          finish_reason="length" if finished else None, prompt_tokens=5, completion_tokens=done,
