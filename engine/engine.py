@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -332,16 +332,9 @@ class SpecEngine:
         seconds = self._clock.seconds
         for chunk, st in zip(chunks, plan.states):
             st.num_prefilled = chunk.end
+        # draft_s: the draft's prefill; its proposals are in verify_s with the fused forward
         out = self._commit(plan, out_tokens, num_accepted, seconds(t0, t1), seconds(t1, t3))
-        return StepOutput(
-            outputs=out.outputs,
-            kind="prefill",
-            batch_size=out.batch_size,
-            num_draft_tokens=k,
-            accepted_per_position=out.accepted_per_position,
-            draft_s=seconds(t0, t1),  # the draft's prefill; its proposals are in verify_s with the fused forward
-            verify_s=seconds(t1, t3),
-        )
+        return replace(out, kind="prefill")
 
     # ------------------------------------------------------------------ speculative step
 
