@@ -40,7 +40,7 @@ def run_command(args: argparse.Namespace, settings, resolve_models: Callable[[],
     template = resolve_engine(*pair)
     if args.mode == "forward":
         return _forward(args, template, resolve_models, resolve_engine)
-    return _throughput(args, template, resolve_models, resolve_engine)
+    return _throughput(args, template, resolve_models, resolve_engine, calibrate=settings.calibrate)
 
 
 def _pair(args, device: str, resolve_models) -> tuple[Path, Path | None, dict]:
@@ -94,14 +94,14 @@ def _loadavg() -> str:
         return "?"
 
 
-def _throughput(args, template: EngineConfig, resolve_models, resolve_engine: ResolveEngine) -> int:
+def _throughput(args, template: EngineConfig, resolve_models, resolve_engine: ResolveEngine, calibrate: bool = True) -> int:
     from exspec.bench.report import write_results
     from exspec.data.reference import write_reference
 
     # Validate every option before a pair may be built (minutes): the template holds placeholder paths. The
     # flags are BenchConfig's fields by name; an absent one (None) leaves BenchConfig's default.
     options = {name: getattr(args, name) for name in OPTIONS if getattr(args, name, None) is not None}
-    config = BenchConfig(engine=template, **options)
+    config = BenchConfig(engine=template, calibrate=calibrate, **options)
     if args.write_reference is not None and not args.write_reference.resolve().parent.is_dir():
         raise BenchError(f"--write-reference: directory {str(args.write_reference.resolve().parent)!r} does not exist")
     target, draft, extra = _pair(args, template.device, resolve_models)
@@ -122,7 +122,10 @@ def _throughput(args, template: EngineConfig, resolve_models, resolve_engine: Re
         "k": config.num_speculative_tokens,
         "engine": _engine_meta(config.engine),
         "exspec policy": f"SchedulerConfig() default speculation={SchedulerConfig().speculation!r}, k up to "
-                         f"{config.num_speculative_tokens}; exspec-fixed and exspec-mixed: fixed k",
+                         f"{config.num_speculative_tokens}"
+                         + ("; calibrated before its warm-up as `exspec serve` calibrates" if config.calibrate
+                            else "; not calibrated (--no-calibrate)")
+                         + "; exspec-fixed and exspec-mixed: fixed k",
         "repeats": config.repeats,
         "tokens/s": TIMING,
         "near-tie": f"reference top-2 logit gap < {NEAR_TIE_EPS[config.dtype]} at the first differing position",

@@ -36,6 +36,9 @@ class BenchConfig:
     chat_template: bool = False  # prompts through the tokenizer's chat template
     warmup: bool = True  # one untimed short run per (method, B) before the timed ones
     fixed_ks: tuple[int, ...] = ()  # exspec-fixed at each of these k (rows exspec-fixed-kK); (): at k only
+    # `exspec`: its policy's calibration steps before the warm-up, as `exspec serve` runs them before serving (the
+    # serve setting `calibrate`, resolved with the engine's settings: --calibrate / --no-calibrate)
+    calibrate: bool = True
 
     @property
     def model(self) -> Path:
@@ -109,4 +112,4 @@ class BenchConfig:
 
 # The fields `exspec bench`'s own flags set, one flag each (`--x-y` sets `x_y`; an absent flag leaves the default
 # above): the command line maps its options onto BenchConfig with this list, not field by field.
-OPTIONS = tuple(f.name for f in fields(BenchConfig) if f.name != "engine")
+OPTIONS = tuple(f.name for f in fields(BenchConfig) if f.name not in ("engine", "calibrate"))  # bench flags

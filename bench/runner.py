@@ -19,7 +19,9 @@ Methods (`METHODS`):
 - `exspec`: exspec exactly as served by default: `SchedulerConfig`'s default speculation policy (not passed
   here, so the row follows the default wherever it goes), k as the largest k, pool W = pool_factor * B.
   As in a server, whose one scheduler keeps its policy across requests, each (method, B) keeps one policy
-  across its warm-up and timed runs: what the policy learned in one run carries into the next.
+  across its warm-up and timed runs: what the policy learned in one run carries into the next; and as
+  `exspec serve` does before serving, the policy runs its calibration steps first (untimed, as the warm-up;
+  `--no-calibrate` to measure a server started without them).
 
 Output equivalence is measured against `target-ar` at B = 1, per prompt: identical generated token ids, or
 a divergence, classified as a near-tie when the reference's top-2 logit gap at the first differing position
@@ -44,6 +46,7 @@ from exspec.bench.equivalence import (
 from exspec.data import (
     DatasetError,
     all_questions,
+    calibration_prompts,
     encode_prompts,
     evenly_spaced,
     load_questions,
@@ -61,7 +64,7 @@ from exspec.engine import (
     SpecEngine,
     load_model_pair,
 )
-from exspec.scheduler import SchedulerConfig, SpeculationPolicy, generate_offline, policies
+from exspec.scheduler import SchedulerConfig, SchedulerCore, SpeculationPolicy, generate_offline, policies
 
 from exspec.errors import BenchError
 
@@ -294,8 +297,13 @@ class Bench:
         # it across requests: each run then measures the policy's steady state, not its first steps again.
         policy = policies.create(sched.speculation, k)
         self._policies[(method, b)] = policy
+        uncalibrated = method == "exspec" and cfg.calibrate
 
         def run(prompts: list[list[int]], warmup: bool = False) -> RunResult:
+            nonlocal uncalibrated
+            if uncalibrated:  # as `exspec serve` before serving: once, before the first run, untimed
+                SchedulerCore(engine, sched, policy).calibrate(calibration_prompts(self.pair.tokenizer, b, self.max_model_len))
+                uncalibrated = False
             max_tokens = min(8, cfg.max_tokens) if warmup else cfg.max_tokens
             params = [SamplingParams(max_tokens=max_tokens)] * len(prompts)
             results, summary = generate_offline(engine, prompts, params, sched, speculation=policy)

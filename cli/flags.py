@@ -43,9 +43,9 @@ FLAGS = {
     "compile": (None, "--compile: the draft's one-token forwards and the verify run compiled at static shapes "
                       "(torch.compile fullgraph; CUDA graphs on CUDA, never yet run on a GPU); default --no-compile "
                       "on every device until measured"),
-    "calibrate": (None, "--calibrate: before serving, a few seconds of steps at each batch size and k measure what "
-                        "the speculation policy would otherwise explore under live traffic (default); --no-calibrate: "
-                        "it starts unmeasured"),
+    "calibrate": (None, "--calibrate: before serving (bench: before the exspec method's warm-up), a few seconds of "
+                        "steps at each batch size and k measure what the speculation policy would otherwise explore "
+                        "under live traffic (default); --no-calibrate: it starts unmeasured"),
     "speculation": ("MODE", f"{' | '.join(SPECULATION_MODES)}: how k is chosen per step "
                             f"(default {Settings.model_fields['speculation'].default})"),
     "max_batch_size": ("B", f"sequences per speculative step (default {_default('max_batch_size')})"),

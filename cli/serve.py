@@ -49,7 +49,7 @@ def build_server(settings: Settings):
     engine = SpecEngine(cfg.engine)
     scheduler = AsyncScheduler(engine, cfg.scheduler)
     if settings.calibrate:
-        _calibrate(scheduler, engine.tokenizer, cfg.scheduler.max_batch_size)
+        _calibrate(scheduler, engine.tokenizer, cfg.scheduler.max_batch_size, cfg.engine.max_model_len)
     app = build_app(scheduler, server_config(settings, served_model_name=name))
     logger.info(
         "serving %r (k=%d %s, B=%d, W=%d, max_model_len=%d) on http://%s:%d/v1%s",
@@ -60,30 +60,16 @@ def build_server(settings: Settings):
     return make_server(app, settings.host, settings.port, settings.log_level)
 
 
-CALIBRATION_PROMPT_TOKENS = 256  # calibration prompts are the questions no longer than this
-
-
-def _calibrate(scheduler, tokenizer, rows: int) -> None:
-    """The speculation policy's calibration steps on the first SpecBench questions (in the chat template when the
-    tokenizer has one). A failure costs only the calibration: the policy then starts unmeasured."""
+def _calibrate(scheduler, tokenizer, rows: int, max_model_len: int) -> None:
+    """The speculation policy's calibration steps on the first SpecBench questions (`exspec.data.calibration_prompts`).
+    A failure costs only the calibration: the policy then starts unmeasured."""
     import time
 
-    from exspec.data import all_questions
+    from exspec.data import calibration_prompts
 
     t0 = time.perf_counter()
     try:
-        prompts = []
-        for question in all_questions("specbench"):
-            if getattr(tokenizer, "chat_template", None):
-                ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                                    tokenize=True)
-                ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-            else:
-                ids = tokenizer.encode(question)
-            if 0 < len(ids) <= CALIBRATION_PROMPT_TOKENS:
-                prompts.append(ids)
-            if len(prompts) == rows:
-                break
+        prompts = calibration_prompts(tokenizer, rows, max_model_len)
         best = scheduler.calibrate(prompts)
     except Exception:
         logger.warning("calibrating the speculation policy failed; it starts unmeasured", exc_info=True)

@@ -79,6 +79,26 @@ def encode_prompts(tokenizer, texts: list[str], chat_template: bool) -> list[lis
     return out
 
 
+CALIBRATION_PROMPT_TOKENS = 256  # calibration prompts are the questions no longer than this
+
+
+def calibration_prompts(tokenizer, rows: int, max_model_len: int) -> list[list[int]]:
+    """What a speculation policy calibrates on before serving (`exspec serve`; `exspec bench` for its `exspec`
+    method, as served): the first `rows` SpecBench questions of at most CALIBRATION_PROMPT_TOKENS tokens and half of
+    max_model_len (the rest is room for the steps), in the chat template when the tokenizer has one (fewer if
+    fewer fit)."""
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    limit = min(CALIBRATION_PROMPT_TOKENS, max_model_len // 2)
+    out: list[list[int]] = []
+    for question in all_questions("specbench"):
+        if len(out) == rows:
+            break
+        ids = encode_prompts(tokenizer, [question], chat)[0]
+        if 0 < len(ids) <= limit:
+            out.append(ids)
+    return out
+
+
 def random_prompts(num_prompts: int, input_len: int, seed: int, vocab_size: int | None = None) -> list:
     """Random prompts of `input_len` tokens (token-id lists, ids in [16, vocab_size), when the vocabulary is
     known) or of `input_len` words (text) otherwise."""

@@ -43,7 +43,9 @@ Exploration, only where the models are uncertain: an optimistic goodput G+(k) (a
 bound, `z` standard errors; cost at its lower bound: sampling spread over sqrt(n), wider for predicted and
 stale costs) names a k whose measurement could change the decision (G+(k) > (1 + margin) * G(k*)). It is
 measured in a burst of `min_samples` steps (old samples dropped if stale) when the bucket's exploring
-seconds, catch-up included, are within `budget` of its decode seconds plus `free_steps` steps of k = 0.
+seconds, catch-up included, are within `budget` of its decode seconds plus `free_steps` steps of k = 0 (at
+once for a bucket with nothing to go on; one that starts from a calibration or from another bucket that drafted
+earns them at one per 4 of its steps, so a bucket that lives a few steps, as a closed batch drains, does not probe).
 A server measures most of this before traffic (`calibration`): live exploration is then for what changes.
 """
 
@@ -279,8 +281,9 @@ class AutoPolicy(SpeculationPolicy):
         for k, (c, u) in costs.items():
             low = c * max(0.5, 1 - u)
             t, t_up = 1 + f * (self._expected(rates, k) - 1), 1 + f * (self._expected(upper, k) - 1)
-            if k > 0:  # a drafting step does all a k = 0 step does, and more; and its tokens need the draft prefilled
-                low = max(low, costs[0][0])
+            if k > 0:  # a drafting step does all a k = 0 step does, and more (a cost measured below it is noise);
+                # and its tokens need the draft prefilled
+                c, low = max(c, costs[0][0]), max(low, costs[0][0])
                 c, low = c + per_token * t, low + per_token * t_up
             goodput[k], optimistic[k] = t / c, t_up / low
         best = max(self.candidates, key=lambda k: (goodput[k], -k))
@@ -319,7 +322,12 @@ class AutoPolicy(SpeculationPolicy):
             stale = bool(samples) and st.steps - st.last[explore] > self.stale_steps
             n = 0 if stale or not samples else len(samples)
             burst = self.min_samples - n if n < self.min_samples else 1
-            allowed = self.budget * st.total_s + self.free_steps * costs[0][0]
+            # the free steps at once only for a bucket with nothing to go on; one that starts from a calibration, or
+            # from the relative costs of a bucket that drafted, earns them as it runs (one per 4 of its steps): a
+            # closed batch's drain runs each smaller bucket a few steps, where a probe cannot pay for itself
+            informed = bool(st.ratios) or self._nearest_drafted(st) is not None
+            free = min(self.free_steps, st.steps / 4) if informed else self.free_steps
+            allowed = self.budget * st.total_s + free * costs[0][0]
             if st.explore_s + burst * costs[explore][0] <= allowed:
                 if stale:
                     samples.clear()  # a fresh measurement: the old one is from another time
@@ -358,6 +366,7 @@ class AutoPolicy(SpeculationPolicy):
             st.ratios = {k: (c / costs[0][0], u) for k, (c, u) in costs.items() if k > 0}
             st.costs, st.last, st.planned, st.burst = {}, {}, None, (0, 0)
             st.explore_s = st.total_s = 0.0
+            st.by_k, st.explore_steps = {}, 0  # the summary reports live steps
 
     def drafting(self) -> bool:
         """Whether prompts should be fed to the draft as they are prefilled: False once the batch-size buckets

@@ -176,7 +176,11 @@ async def test_async_queue_full_abort_and_shutdown():
     for s in streams:
         outs = [o async for o in s]
         assert outs and outs[-1].finish_reason == "abort"
-    await asyncio.sleep(0.05)
+    # the worker frees the aborted rows on its next turn: wait for that, not for a fixed time (a loaded machine)
+    for _ in range(3000):
+        if eng.num_used == 0 and sched.num_waiting == 0 and sched.num_running == 0:
+            break
+        await asyncio.sleep(0.01)
     assert eng.num_used == 0 and sched.num_waiting == 0 and sched.num_running == 0
     await sched.shutdown(timeout=1)
     assert not sched.is_alive
@@ -337,7 +341,8 @@ def test_calibrate_runs_the_policys_steps_before_serving_and_frees_everything():
     assert not eng.seqs and eng.num_free_blocks == free
     summary = core.speculation.summary()
     assert sorted(summary) == [1, 2, 4]
-    assert all(s["steps_by_k"] == {k: plan.count((b, k)) for k in sorted({k for _, k in plan})} for b, s in summary.items())
+    # the summary counts live steps only; what the calibration measured decides: a draft that never agrees, k = 0
+    assert all(s["steps_by_k"] == {} and s["best_k"] == 0 for s in summary.values())
     assert core.speculation.acceptance()[0] < 0.1
     # then requests are served as usual
     reqs = [req(i) for i in range(3)]
