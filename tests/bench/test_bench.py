@@ -284,6 +284,29 @@ def test_fixed_ks_rows_and_the_default_policy_against_the_best(pair, tmp_path):
     assert "The default policy's steps" in md
 
 
+@pytest.mark.parametrize("flag", ["--calibrate", "--no-calibrate"])
+def test_exspec_calibrates_its_policy_once_as_serve_does(pair, tmp_path, monkeypatch, flag):
+    """The `exspec` method measures the server's default: its policy runs the calibration `exspec serve` runs
+    before serving, once, before the warm-up (`--no-calibrate`: none); the fixed-k methods have nothing to calibrate."""
+    import exspec.bench.runner as runner
+
+    calls = []
+
+    class Recording(runner.SchedulerCore):
+        def calibrate(self, prompts):
+            calls.append((self.config.max_batch_size, type(self.speculation).__name__, len(prompts)))
+            return super().calibrate(prompts)
+
+    monkeypatch.setattr(runner, "SchedulerCore", Recording)
+    target, draft = pair
+    rc = main(["bench", "--model", str(target), "--draft-model", str(draft), "--num-prompts", "2", "--max-tokens", "4",
+               "--batch-sizes", "1,2", "--methods", "exspec-fixed,exspec", "--repeats", "2", "--max-prompt-len", "64",
+               "--no-progress", "--output", str(tmp_path), "--device", "cpu", flag])
+    assert rc == 0
+    assert calls == ([(1, "AutoPolicy", 1), (2, "AutoPolicy", 2)] if flag == "--calibrate" else [])
+    assert ("calibrated before its warm-up" in (tmp_path / "results.md").read_text()) == (flag == "--calibrate")
+
+
 def test_exspec_num_speculative_tokens_sets_k_of_a_real_run(pair, tmp_path, monkeypatch):
     """`EXSPEC_NUM_SPECULATIVE_TOKENS=2 exspec bench` runs its draft methods at k = 2 (issue 24)."""
     monkeypatch.setenv("EXSPEC_NUM_SPECULATIVE_TOKENS", "2")

@@ -462,6 +462,38 @@ def test_auto_borrows_relative_costs_so_a_losing_draft_is_not_explored_at_every_
 
 
 
+def test_auto_does_not_probe_a_bucket_that_lives_a_few_steps_unless_it_has_nothing_to_go_on():
+    """A closed batch drains through the smaller buckets a few steps each: a bucket that starts from another
+    bucket's relative costs earns its free probe steps as it runs, so a drain does not explore (every step k = 0
+    or the k it predicts best). Alone, with nothing to go on, the same bucket probes at once; running longer,
+    the informed bucket probes too and finds the draft that pays there."""
+    world = _World(STRONG, 0.3, lambda b: 0.8 if b >= 8 else 0.05, seed=6)  # drafting loses at 8, pays at 1
+    policy = create("auto", 4)
+    _run_auto(policy, world, 8, 300)
+    assert policy.plan(8)[0] == 0
+    before = policy.summary()
+    drained, _ = _run_auto(policy, world, 1, 12)  # the drain: a dozen steps of one row
+    assert policy.summary()[1]["explore_steps"] == 0 and before[8]["explore_steps"] == policy.summary()[8]["explore_steps"]
+    assert set(drained) <= {0, policy.plan(1)[0]}
+    alone = create("auto", 4)
+    chosen, _ = _run_auto(alone, world, 1, 12)
+    assert alone.summary()[1]["explore_steps"] > 0 and set(chosen) != {0}  # the premise
+    chosen, _ = _run_auto(policy, world, 1, 300)  # the bucket lives on: it probes and drafts
+    assert policy.summary()[1]["explore_steps"] > 0
+    assert _expected_goodput(world, 1, chosen[-100:]) >= 0.97 * world.goodput(1, world.best(1, policy.candidates))
+
+
+def test_auto_never_prefers_a_drafting_step_for_measuring_it_cheaper_than_plain_decoding():
+    """A step that drafts does all a k = 0 step does: where noise measures it cheaper (a GPU, where a verify of a
+    few columns costs what one does), a draft that is never accepted still loses."""
+    policy = create("auto", 4)
+    for step in range(40):
+        k = step % 5
+        seconds = 0.010 - 0.001 * k  # k > 0 measured cheaper than k = 0
+        policy.observe(1, k, 1, seconds, 0.0, (0,) * k, 1)
+    assert policy.plan(1)[0] == 0
+
+
 def _calibrated(policy, world, max_batch):
     for b, k in policy.calibration(max_batch):
         n, s, accepted = world.step(b, k)
