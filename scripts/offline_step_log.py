@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from exspec.data import encode_prompts, load_questions
+from exspec.data import calibration_prompts, encode_prompts, load_questions
 from exspec.engine import EngineConfig, SamplingParams, SpecEngine
 from exspec.scheduler import SchedulerConfig, policies
 from exspec.scheduler.core import SchedulerCore
@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="k (fixed) or the largest k (auto); 0: the target alone")
     ap.add_argument("--runs", type=int, default=4)
     ap.add_argument("--pool-size", type=int, default=0, help="W; 0: every prompt (as the bench, up to 4 x B)")
+    ap.add_argument("--calibrate", action="store_true", help="the policy's calibration first, as serve and bench run it")
     args = ap.parse_args()
     torch.set_num_threads(1)
     pair = Path(args.pair)
@@ -47,6 +48,10 @@ def main() -> None:
     cfg = SchedulerConfig(max_batch_size=args.batch_size, pool_size=pool, num_speculative_tokens=args.k,
                           speculation=args.speculation, max_prefill_chunk_s=0.0)
     policy = policies.create(cfg.speculation, args.k)
+    if args.calibrate:
+        t0 = time.perf_counter()
+        SchedulerCore(engine, cfg, policy).calibrate(calibration_prompts(engine.tokenizer, args.batch_size, 2048))
+        print(f"calibrated in {time.perf_counter() - t0:.1f} s: k* {({b: v['best_k'] for b, v in policy.summary().items()})}")
     for run in range(args.runs):
         core = SchedulerCore(engine, cfg, policy)
         for i, p in enumerate(prompts):
@@ -60,12 +65,13 @@ def main() -> None:
             for s in stats:
                 if s.kind == "prefill":
                     prefill_s += dt
-                    log.append(f"p{s.batch_size}/{s.num_prompt_tokens}:{dt * 1e3:.0f}")
+                    log.append(f"p{s.batch_size}k{s.num_draft_tokens}/{s.num_prompt_tokens}:{dt * 1e3:.0f}")
                 else:
                     decode_s += dt
                     log.append(f"{s.kind[0]}{s.batch_size}k{s.num_draft_tokens}/{s.num_tokens}:{dt * 1e3:.0f}")
         print(f"run {run}: wall {time.perf_counter() - start:.2f} s, prefill {prefill_s:.2f} s, decode {decode_s:.2f} s")
     print(" ".join(log))
+    print("policy:", policy.summary(), "drafting:", policy.drafting())
 
 
 if __name__ == "__main__":

@@ -44,8 +44,12 @@ bound, `z` standard errors; cost at its lower bound: sampling spread over sqrt(n
 stale costs) names a k whose measurement could change the decision (G+(k) > (1 + margin) * G(k*)). It is
 measured in a burst of `min_samples` steps (old samples dropped if stale) when the bucket's exploring
 seconds, catch-up included, are within `budget` of its decode seconds plus `free_steps` steps of k = 0 (at
-once for a bucket with nothing to go on; one that starts from a calibration or from another bucket that drafted
-earns them at one per 4 of its steps, so a bucket that lives a few steps, as a closed batch drains, does not probe).
+once for a bucket with nothing to go on; one that starts from another bucket that drafted earns them at one per 4
+of its steps, so a bucket that lives a few steps, as a closed batch drains, does not probe; a calibrated one has
+none: the calibration measured what they would). While prompts skip the draft (`drafting()` False: the buckets
+that want drafts run a small share of the rows), a bucket whose k* > 0 runs k = 0 for its first `streak_steps`
+steps in a row: its rows were not fed to the draft, and catching whole contexts up for the few steps of a closed
+batch's drain costs more than the drafts gain (a bucket that goes on running drafts, and the catch-up pays).
 A server measures most of this before traffic (`calibration`): live exploration is then for what changes.
 """
 
@@ -88,6 +92,7 @@ class _Bucket:
     # times these predicts the k > 0 costs until they are measured live
     ratios: dict[int, tuple[float, float]] = field(default_factory=dict)
     rows: float = 0.0  # mean rows per step (decayed)
+    streak: int = 0  # steps chosen in a row in this bucket, up to the last
 
 
 @register("auto")
@@ -117,6 +122,7 @@ class AutoPolicy(SpeculationPolicy):
         draft_share: float = 0.1,
         request_decay: float = 1 / 64,
         prefill_decay: float = 1 / 16,
+        streak_steps: int = 8,
     ) -> None:
         super().__init__(k_max)
         self.candidates = candidates_for(k_max)
@@ -132,6 +138,8 @@ class AutoPolicy(SpeculationPolicy):
         self._rows = 0.0  # rows of drafting steps (decayed)
         self._drafting_rows = 0.0  # of those, rows that proposed drafts
         self._buckets: dict[int, _Bucket] = {}
+        self._last: _Bucket | None = None  # the bucket of the last step chosen
+        self.streak_steps = streak_steps
         self._prompt_tokens = 0.0  # of finished requests (decayed per request)
         self._output_tokens = 0.0  # of finished requests (decayed per request)
         self._draft_prefill_s = 0.0  # draft seconds of prefill steps that fed the draft (decayed per step)
@@ -303,6 +311,8 @@ class AutoPolicy(SpeculationPolicy):
         b = bucket(batch_size)
         st = self._bucket(b)
         st.steps += 1
+        st.streak = st.streak + 1 if self._last is st else 1
+        self._last = st
         for other in self._buckets.values():
             other.share *= 1 - self.share_decay
         st.share += self.share_decay * batch_size
@@ -322,11 +332,15 @@ class AutoPolicy(SpeculationPolicy):
             stale = bool(samples) and st.steps - st.last[explore] > self.stale_steps
             n = 0 if stale or not samples else len(samples)
             burst = self.min_samples - n if n < self.min_samples else 1
-            # the free steps at once only for a bucket with nothing to go on; one that starts from a calibration, or
-            # from the relative costs of a bucket that drafted, earns them as it runs (one per 4 of its steps): a
-            # closed batch's drain runs each smaller bucket a few steps, where a probe cannot pay for itself
-            informed = bool(st.ratios) or self._nearest_drafted(st) is not None
-            free = min(self.free_steps, st.steps / 4) if informed else self.free_steps
+            # the free steps at once only for a bucket with nothing to go on; one that starts from the relative costs
+            # of a bucket that drafted earns them as it runs (one per 4 of its steps: a closed batch's drain runs
+            # each smaller bucket a few steps, where a probe cannot pay for itself); a calibrated one has none
+            if st.ratios:  # calibrated: every k it would probe for free was measured before serving
+                free = 0.0
+            elif self._nearest_drafted(st) is not None:
+                free = min(self.free_steps, st.steps / 4)
+            else:
+                free = self.free_steps
             allowed = self.budget * st.total_s + free * costs[0][0]
             if st.explore_s + burst * costs[explore][0] <= allowed:
                 if stale:
@@ -336,6 +350,11 @@ class AutoPolicy(SpeculationPolicy):
                 return explore
         st.exploring = False
         st.best = best
+        if best > 0 and st.streak < self.streak_steps and not self.drafting():
+            # prompts skip the draft (the buckets that want drafts run under `draft_share` of the rows): this
+            # bucket's rows were not fed to it, and a bucket that has run only a few steps in a row (a closed
+            # batch draining) would pay the catch-up of whole contexts for a few steps of drafts
+            return 0
         return best
 
     def prefill_k(self, batch_size: int) -> int:
@@ -378,12 +397,15 @@ class AutoPolicy(SpeculationPolicy):
             return False
         if not self._buckets:
             return True
-        wanting = 0.0
+        wanting, wants_any = 0.0, False
         for b, st in self._buckets.items():
             unmeasured = len(st.costs.get(0, ())) < self.min_samples and not st.ratios
             if st.burst[1] > 0 or unmeasured or st.best > 0:
                 wanting += st.share
+                wants_any = True
         total = sum(st.share for st in self._buckets.values())
+        if total <= 0:  # no step run yet (calibrated only): whether any bucket wants drafts
+            return wants_any
         return wanting > self.draft_share * total
 
     def observe(

@@ -290,7 +290,8 @@ def test_auto_keeps_separate_costs_per_batch_size_and_respects_k_max():
     large, _ = _run_auto(policy, loses, 16, 150)
     small2, _ = _run_auto(policy, pays, 1, 50)
     assert max(small + large) <= 2
-    assert small2.count(2) >= 45 and large[-100:].count(0) >= 95
+    # back at 1 (its first steps at k = 0: prompts skipped the draft while batch size 16 ran, see the next test)
+    assert small2[policy.streak_steps - 1:].count(2) >= 40 and large[-100:].count(0) >= 95
     assert create("auto", 0).choose(8) == 0
 
 
@@ -482,6 +483,24 @@ def test_auto_does_not_probe_a_bucket_that_lives_a_few_steps_unless_it_has_nothi
     assert policy.summary()[1]["explore_steps"] > 0
     assert _expected_goodput(world, 1, chosen[-100:]) >= 0.97 * world.goodput(1, world.best(1, policy.candidates))
 
+
+def test_auto_does_not_catch_the_draft_up_for_a_drain_while_prompts_skip_it():
+    """Calibrated where drafting pays at 1 to 4 rows and loses at 8: running full batches of 8, prompts skip the
+    draft (`drafting()` False). The drain at the end of each closed batch (a few steps at 4, 2, 1 rows) runs
+    k = 0: those rows were never fed to the draft, and catching whole contexts up for a few steps costs more than
+    the drafts gain. A batch size that goes on running (the load has changed) drafts after `streak_steps`."""
+    world = _World(STRONG, 0.3, lambda b: 0.8 if b >= 8 else 0.05, seed=7)
+    policy = _calibrated(create("auto", 4), world, 8)
+    assert policy.plan(8)[0] == 0 and all(policy.plan(b)[0] > 0 for b in (1, 2, 4))
+    for _ in range(5):  # closed batches: 30 steps of 8 rows, then the drain
+        _run_auto(policy, world, 8, 30)
+        assert not policy.drafting()
+        drain = [k for b, n in ((4, 3), (2, 2), (1, 3)) for k in _run_auto(policy, world, b, n)[0]]
+        assert drain == [0] * 8
+    assert all(policy.plan(b)[0] > 0 for b in (1, 2, 4))  # what they would draft, had the rows been fed
+    chosen, _ = _run_auto(policy, world, 1, 60)
+    held = policy.streak_steps - 1 - 3  # the drain's last 3 steps had 1 row: the streak goes on from them
+    assert chosen[:held] == [0] * held and chosen[held] > 0 and chosen[-40:].count(0) == 0
 
 def test_auto_never_prefers_a_drafting_step_for_measuring_it_cheaper_than_plain_decoding():
     """A step that drafts does all a k = 0 step does: where noise measures it cheaper (a GPU, where a verify of a
