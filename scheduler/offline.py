@@ -34,11 +34,15 @@ class RunSummary:
     num_accepted_tokens: int = 0
     num_row_steps: int = 0  # sum of batch sizes of decode steps
     num_decode_tokens: int = 0  # tokens emitted by decode steps
+    num_fused_rows: int = 0  # rows of prefill steps that verified drafts (the engine's fused prefill)
+    num_fused_tokens: int = 0  # tokens those rows emitted (1 + accepted drafts each)
 
     @property
     def mean_acceptance_length(self) -> float:
-        """Tokens emitted per sequence per decode step (1 + accepted drafts, before truncation)."""
-        return self.num_decode_tokens / self.num_row_steps if self.num_row_steps else 0.0
+        """Tokens emitted per sequence per step that verified drafts or decoded (1 + accepted drafts, before
+        truncation): decode steps and the rows of fused prefills (whose first token comes with accepted drafts)."""
+        rows = self.num_row_steps + self.num_fused_rows
+        return (self.num_decode_tokens + self.num_fused_tokens) / rows if rows else 0.0
 
     @property
     def forward_seconds_per_step(self) -> float:
@@ -62,6 +66,11 @@ class RunSummary:
 
     def add(self, stats: StepStats, seconds: float) -> None:
         self.steps[stats.kind] += 1
+        if stats.kind == "prefill" and stats.num_proposed_tokens:  # a fused prefill: drafts verified with the prompts
+            self.num_fused_rows += stats.batch_size
+            self.num_fused_tokens += stats.num_tokens
+            self.num_draft_tokens += stats.num_proposed_tokens
+            self.num_accepted_tokens += sum(stats.accepted_per_position)
         if stats.kind != "prefill":
             self.decode_seconds += seconds
             self.forward_seconds += stats.draft_s + stats.verify_s

@@ -29,7 +29,7 @@ class TimedEngine(FakeEngine):
 
     def prefill(self, batch):
         out = super().prefill(batch)
-        width = max(c.end - c.start for c in batch.chunks)
+        width = max(c.end - c.start for c in batch.chunks) + out.num_draft_tokens  # a fused prefill verifies k more
         return replace(out, draft_s=0.0, verify_s=len(batch.chunks) * width * self.prefill_s_per_token)
 
 

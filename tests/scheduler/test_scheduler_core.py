@@ -437,3 +437,17 @@ def test_prefill_steps_carry_the_policys_k_for_the_batch_they_join():
     assert auto.prefill_k(1) == 0  # nothing measured: the safe incumbent
     auto._bucket(1).best = 3
     assert auto.prefill_k(1) == 3 and auto.prefill_k(8) == 0
+
+
+def test_an_offline_summary_counts_a_fused_prefills_drafts():
+    """A fused prefill verifies drafts with the prompts: the run's acceptance counts them (a 4-token answer from a
+    prefill with 3 drafts, all accepted: 4 tokens from one row's one verify, no decode step at all)."""
+    from exspec.scheduler import generate_offline
+
+    eng = FakeEngine(accept=lambda seq, k: k, fused_prefill=True)
+    cfg = SchedulerConfig(max_batch_size=1, pool_size=1, num_speculative_tokens=3, speculation="fixed")
+    results, summary = generate_offline(eng, [[5, 6, 7]], [SamplingParams(max_tokens=4, temperature=0.0)], cfg)
+    assert [b.num_draft_tokens for b in eng.prefills] == [3] and len(results[0].token_ids) == 4
+    assert summary.steps == {"grouped": 0, "mixed": 0, "prefill": 1}
+    assert summary.mean_acceptance_length == 4.0 and summary.acceptance_rate == 1.0
+    assert summary.num_decode_tokens == 0 and summary.decode_seconds == 0.0  # decode figures stay decode only

@@ -44,10 +44,11 @@ class FakeEngine:
     eos_token_ids = (EOS,)
 
     def __init__(self, num_slots=16, max_model_len=512, has_draft=True, accept=None, tokenizer=None, step_seconds=0.0,
-                 block_size=16, num_blocks=None, eos_positions=()):
+                 block_size=16, num_blocks=None, eos_positions=(), fused_prefill=False):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.has_draft = has_draft
+        self.fused_prefill = fused_prefill  # verify a prefill batch's num_draft_tokens as the engine does (else: ignore them)
         self.num_slots = num_slots
         self._free = list(range(num_slots))
         self.block_size = block_size
@@ -140,14 +141,28 @@ class FakeEngine:
     def prefill(self, batch: PrefillBatch) -> StepOutput:
         self._maybe_fail([c.seq_id for c in batch.chunks])
         self.prefills.append(batch)
-        outs = []
+        # a fused prefill (the engine's): where every chunk completes its prompt, k drafts verified with it
+        completes = all(c.end == self.seqs[c.seq_id].prompt_len for c in batch.chunks)
+        k = batch.num_draft_tokens if self.fused_prefill and self.has_draft and batch.draft and completes else 0
+        need = sum(self.blocks_needed(c.seq_id, self.seqs[c.seq_id].prompt_len + k) for c in batch.chunks) if k else 0
+        if need > self.num_free_blocks:
+            k = 0  # no blocks for the drafts' positions: prefill without them (as the engine's _fused_plan)
+        outs, per_pos = [], [0] * k
         for c in batch.chunks:
             seq = self.seqs[c.seq_id]
             assert c.start == seq.num_prefilled < c.end <= seq.prompt_len <= seq.num_blocks * self.block_size
             seq.num_prefilled = c.end
-            new = self._emit(seq, 1) if c.end == seq.prompt_len else ()
-            outs.append(SeqOutput(c.seq_id, new, 0, 0))
-        return StepOutput(tuple(outs), "prefill", len(outs), 0, (), 0.0, self.step_seconds if not callable(self.step_seconds) else 0.0)
+            if c.end < seq.prompt_len:
+                outs.append(SeqOutput(c.seq_id, (), 0, 0))
+                continue
+            row_k = min(k, self.max_model_len - 1 - seq.prompt_len) if seq.params.use_speculation else 0
+            seq.num_blocks += self.blocks_needed(seq.seq_id, seq.prompt_len + row_k)
+            a = min(self.accept(seq, row_k), row_k) if row_k else 0
+            for i in range(a):
+                per_pos[i] += 1
+            outs.append(SeqOutput(c.seq_id, self._emit(seq, a + 1), row_k, a))
+        return StepOutput(tuple(outs), "prefill", len(outs), k, tuple(per_pos), 0.0,
+                          self.step_seconds if not callable(self.step_seconds) else 0.0)
 
     def step(self, batch: StepBatch) -> StepOutput:
         self._maybe_fail(batch.seq_ids)
