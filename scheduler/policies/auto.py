@@ -32,7 +32,8 @@ over k = 0 (a large batch on the CPU), o can turn that gain into a loss (docs/BE
 
 Goodput per row: G(k) = T / (c(k) + o * n * T) for k > 0, T = 1 + f * (E(k) - 1), G(0) = 1 / c(0); f the
 fraction of rows that draft when k > 0 (rows that opted out emit one token whatever k is), n the bucket's
-mean rows per step. o leaves the choice among k > 0 as it is (a cost per token, the same for every k > 0):
+mean rows per step, and c(k) never below c(0) (a drafting step does all a k = 0 step does and more: a lower
+measurement is noise). o leaves the choice among k > 0 as it is (a cost per token, the same for every k > 0):
 it decides between drafting and not. The step runs k* = argmax G, and k = 0 unless some k beats
 it by `margin` (near-ties go to plain decoding: it skips the draft's prefill too, `drafting()`); between two
 k > 0 the one running stays unless the other beats it by `margin`. The plan is computed again every
@@ -93,6 +94,8 @@ class _Bucket:
     ratios: dict[int, tuple[float, float]] = field(default_factory=dict)
     rows: float = 0.0  # mean rows per step (decayed)
     streak: int = 0  # steps chosen in a row in this bucket, up to the last
+    regime: bool | None = None  # whether the bucket's last observed step drafted (None: none observed)
+    settling: int = 0  # steps of the current regime still to observe before its costs are recorded again
 
 
 @register("auto")
@@ -123,6 +126,7 @@ class AutoPolicy(SpeculationPolicy):
         request_decay: float = 1 / 64,
         prefill_decay: float = 1 / 16,
         streak_steps: int = 8,
+        settle_steps: int = 8,
     ) -> None:
         super().__init__(k_max)
         self.candidates = candidates_for(k_max)
@@ -139,7 +143,7 @@ class AutoPolicy(SpeculationPolicy):
         self._drafting_rows = 0.0  # of those, rows that proposed drafts
         self._buckets: dict[int, _Bucket] = {}
         self._last: _Bucket | None = None  # the bucket of the last step chosen
-        self.streak_steps = streak_steps
+        self.streak_steps, self.settle_steps = streak_steps, settle_steps
         self._prompt_tokens = 0.0  # of finished requests (decayed per request)
         self._output_tokens = 0.0  # of finished requests (decayed per request)
         self._draft_prefill_s = 0.0  # draft seconds of prefill steps that fed the draft (decayed per step)
@@ -332,6 +336,8 @@ class AutoPolicy(SpeculationPolicy):
             stale = bool(samples) and st.steps - st.last[explore] > self.stale_steps
             n = 0 if stale or not samples else len(samples)
             burst = self.min_samples - n if n < self.min_samples else 1
+            if explore == 0 and st.regime:
+                burst += self.settle_steps  # its first steps settle (unrecorded)
             # the free steps at once only for a bucket with nothing to go on; one that starts from the relative costs
             # of a bucket that drafted earns them as it runs (one per 4 of its steps: a closed batch's drain runs
             # each smaller bucket a few steps, where a probe cannot pay for itself); a calibrated one has none
@@ -363,16 +369,24 @@ class AutoPolicy(SpeculationPolicy):
         return st.best if st is not None and self.k_max > 0 else 0
 
     def calibration(self, max_batch_size: int) -> list[tuple[int, int]]:
-        """2 x `min_samples` steps of each k in CALIBRATION_KS (up to k_max) at each bucket up to max_batch_size,
-        the k interleaved: every bucket the server will run starts with its k = 0 cost and its relative cost of
-        drafting measured (twice the samples an exploration takes: a cost within a few percent of k = 0's is
-        then told apart without exploring), and acceptance with some evidence, so live traffic is not where a
-        draft that loses is found out."""
+        """2 x `min_samples` recorded steps of each k in CALIBRATION_KS (up to k_max) at each bucket up to
+        max_batch_size, each k in a block of consecutive steps, k = 0 last with `settle_steps` more (k = 0 right
+        after drafting steps costs more than plain decoding does: on the toy pair twice, settling over some ten
+        steps; interleaved, it made drafting look half as dear as it is): every bucket the server will run starts with its k = 0 cost and
+        its relative cost of drafting measured (twice the samples an exploration takes: a cost within a few
+        percent of k = 0's is then told apart without exploring), and acceptance with some evidence, so live
+        traffic is not where a draft that loses is found out."""
         if self.k_max == 0:
             return []
         sizes = sorted({min(1 << i, max_batch_size) for i in range(max(1, max_batch_size).bit_length() + 1)})
         ks = [k for k in self.candidates if k in CALIBRATION_KS or k == min(self.k_max, max(CALIBRATION_KS))]
-        return [(b, k) for b in sizes for _ in range(2 * self.min_samples) for k in ks]
+        ks = [k for k in ks if k > 0] + [0]  # k = 0 last, after its settling steps (unrecorded)
+        plan = []
+        for b in sizes:
+            for k in ks:
+                settle = self.settle_steps if k == 0 and len(ks) > 1 else 0
+                plan += [(b, k)] * (settle + 2 * self.min_samples)
+        return plan
 
     def calibrated(self) -> None:
         """The calibration's steps are in: keep each bucket's relative costs c(k) / c(0) and its k*, forget its
@@ -434,8 +448,14 @@ class AutoPolicy(SpeculationPolicy):
         if k != st.best:
             st.planned = None  # a measurement of another k: plan again at once
         steady = seconds - min(catchup_s, 0.9 * seconds)
-        st.costs.setdefault(k, deque(maxlen=self.window)).append(steady)
-        st.last[k] = st.steps
+        regime = k > 0
+        # k = 0 right after drafting steps costs more than plain decoding does (on the toy pair twice, settling
+        # over some ten steps): the first `settle_steps` of them are not recorded
+        st.settling = self.settle_steps if st.regime and not regime else max(0, st.settling - 1)
+        st.regime = regime
+        if st.settling == 0:  # the first steps after drafting starts or stops are not what the regime costs
+            st.costs.setdefault(k, deque(maxlen=self.window)).append(steady)
+            st.last[k] = st.steps
         if k == 0:
             self._decay((1 - self.idle_decay) ** batch_size)
             return

@@ -546,6 +546,47 @@ def test_auto_calibrated_serves_the_best_k_at_once_without_exploring_a_losing_dr
 def test_auto_calibration_plan_covers_each_bucket_and_k_up_to_the_limits():
     plan = create("auto", 8).calibration(8)
     assert sorted(set(plan)) == [(b, k) for b in (1, 2, 4, 8) for k in (0, 1, 2, 3, 4)]
-    assert all(plan.count(step) == 6 for step in set(plan))
+    policy = create("auto", 8)
+    # each k in a block of consecutive steps, k = 0 last with its settling steps (k = 0 right after drafting costs more)
+    assert all(plan.count(step) == 6 + (policy.settle_steps if step[1] == 0 else 0) for step in set(plan))
+    blocks = [step for i, step in enumerate(plan) if i == 0 or plan[i - 1] != step]
+    assert blocks == [(b, k) for b in (1, 2, 4, 8) for k in (1, 2, 3, 4, 0)]
     assert sorted(set(create("auto", 3).calibration(6))) == [(b, k) for b in (1, 2, 4, 6) for k in (0, 1, 2, 3)]
     assert create("auto", 0).calibration(8) == [] and create("fixed", 4).calibration(8) == []
+
+
+class _SettlingWorld(_World):
+    """A world where plain decoding right after drafting steps costs more than it does in a row (the toy pair on a
+    CPU: twice, settling over some ten steps): a k = 0 step j steps into a run of them costs (1 + 0.9 * 0.8^j) x."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.plain_run = 10**6
+
+    def step(self, batch, k):
+        tokens, seconds, counts = super().step(batch, k)
+        if k == 0:
+            seconds *= 1 + 0.9 * 0.8**self.plain_run
+            self.plain_run += 1
+        else:
+            self.plain_run = 0
+        return tokens, seconds, counts
+
+
+def test_auto_measures_plain_decoding_as_it_runs_not_right_after_drafting():
+    """The toy pair at B = 1: drafting loses at steady costs (k = 4 costs 3.1x a k = 0 step for 2.5 tokens), but a
+    k = 0 step measured between drafting steps costs twice its steady cost. Calibrating k = 0 last, after settling
+    steps, and recording live k = 0 steps only once they settle, the policy decodes plainly; measuring k = 0 right
+    after drafting (settle_steps 0) it drafts and loses."""
+    from exspec.scheduler.policies.auto import AutoPolicy
+
+    acc = [0.8, 0.6, 0.5, 0.4]
+    results = {}
+    for settle in (8, 0):
+        world = _SettlingWorld(acc, 1.2, 0.23, seed=8)  # k = 4: 1 + 1.2 + 0.92 = 3.1x
+        assert world.best(1, range(5)) == 0 and world.goodput(1, 4) < 0.85 * world.goodput(1, 0)  # drafting loses
+        policy = _calibrated(AutoPolicy(4, settle_steps=settle), world, 1)
+        chosen, _ = _run_auto(policy, world, 1, 400)
+        results[settle] = chosen[-300:]
+    assert results[8].count(0) >= 0.95 * 300
+    assert results[0].count(0) < 0.5 * 300  # the premise: measured right after drafting, k = 0 looks dear
