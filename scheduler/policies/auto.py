@@ -97,7 +97,7 @@ class _Bucket:
     rows: float = 0.0  # mean rows per step (decayed)
     streak: int = 0  # steps chosen in a row in this bucket, up to the last
     regime: bool | None = None  # whether the bucket's last observed step drafted (None: none observed)
-    settling: int = 0  # steps of the current regime still to observe before its costs are recorded again
+    settling: int = 0  # k = 0 steps after drafting still to observe before their costs are recorded
 
 
 @register("auto")
@@ -450,12 +450,14 @@ class AutoPolicy(SpeculationPolicy):
         if k != st.best:
             st.planned = None  # a measurement of another k: plan again at once
         steady = seconds - min(catchup_s, 0.9 * seconds)
-        regime = k > 0
         # k = 0 right after drafting steps costs more than plain decoding does (on the toy pair twice, settling
-        # over some ten steps): the first `settle_steps` of them are not recorded
-        st.settling = self.settle_steps if st.regime and not regime else max(0, st.settling - 1)
-        st.regime = regime
-        if st.settling == 0:  # the first steps after drafting starts or stops are not what the regime costs
+        # over some ten steps): the first `settle_steps` of them are not recorded (drafting steps always are)
+        if k > 0:
+            st.settling = 0
+        else:
+            st.settling = self.settle_steps if st.regime else max(0, st.settling - 1)
+        st.regime = k > 0
+        if k > 0 or st.settling == 0:
             st.costs.setdefault(k, deque(maxlen=self.window)).append(steady)
             st.last[k] = st.steps
         if k == 0:

@@ -590,3 +590,26 @@ def test_auto_measures_plain_decoding_as_it_runs_not_right_after_drafting():
         results[settle] = chosen[-300:]
     assert results[8].count(0) >= 0.95 * 300
     assert results[0].count(0) < 0.5 * 300  # the premise: measured right after drafting, k = 0 looks dear
+
+
+def test_auto_settles_only_plain_steps_after_drafting():
+    """Which steps' costs are recorded: every drafting step; a k = 0 step only after `settle_steps` k = 0 steps in a
+    row that followed drafting (a fresh bucket's k = 0 steps at once)."""
+    policy = create("auto", 4)
+    recorded = lambda k: len(policy._buckets[1].costs.get(k, ()))  # noqa: E731
+    for _ in range(3):
+        policy.observe(1, 0, 1, 0.01)
+    assert recorded(0) == 3  # nothing drafted before: nothing to settle from
+    for _ in range(2):
+        policy.observe(1, 4, 3, 0.03, accepted=(1, 1, 0, 0))
+    for _ in range(policy.settle_steps):
+        policy.observe(1, 0, 1, 0.02)  # right after drafting: dearer, not recorded
+    assert recorded(0) == 3 and recorded(4) == 2
+    policy.observe(1, 0, 1, 0.01)
+    assert recorded(0) == 4
+    policy.observe(1, 0, 1, 0.02)
+    policy.observe(1, 4, 3, 0.03, accepted=(1, 1, 0, 0))  # drafting steps are always recorded
+    policy.observe(1, 0, 1, 0.02)  # and a k = 0 step after one settles again
+    assert recorded(4) == 3 and recorded(0) == 5
+    policy.observe(1, 4, 3, 0.03, accepted=(1, 1, 0, 0))  # a drafting step while k = 0 settles: recorded
+    assert recorded(4) == 4
