@@ -94,7 +94,8 @@ def _loadavg() -> str:
         return "?"
 
 
-def _throughput(args, template: EngineConfig, resolve_models, resolve_engine: ResolveEngine, calibrate: bool = True) -> int:
+def _throughput(args, template: EngineConfig, resolve_models, resolve_engine: ResolveEngine,
+                calibrate: bool) -> int:
     from exspec.bench.report import write_results
     from exspec.data.reference import write_reference
 

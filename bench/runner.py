@@ -302,7 +302,8 @@ class Bench:
         def run(prompts: list[list[int]], warmup: bool = False) -> RunResult:
             nonlocal uncalibrated
             if uncalibrated:  # as `exspec serve` before serving: once, before the first run, untimed
-                SchedulerCore(engine, sched, policy).calibrate(calibration_prompts(self.pair.tokenizer, b, self.max_model_len))
+                prompts_for_calibration = calibration_prompts(self.pair.tokenizer, b, self.max_model_len)
+                SchedulerCore(engine, sched, policy).calibrate(prompts_for_calibration)
                 uncalibrated = False
             max_tokens = min(8, cfg.max_tokens) if warmup else cfg.max_tokens
             params = [SamplingParams(max_tokens=max_tokens)] * len(prompts)

@@ -374,21 +374,17 @@ class AutoPolicy(SpeculationPolicy):
         """2 x `min_samples` recorded steps of each k in CALIBRATION_KS (up to k_max) at each bucket up to
         max_batch_size, each k in a block of consecutive steps, k = 0 last with `settle_steps` more (k = 0 right
         after drafting steps costs more than plain decoding does: on the toy pair twice, settling over some ten
-        steps; interleaved, it made drafting look half as dear as it is): every bucket the server will run starts with its k = 0 cost and
-        its relative cost of drafting measured (twice the samples an exploration takes: a cost within a few
+        steps; interleaved, it made drafting look half as dear as it is): every bucket the server will run starts
+        with its k = 0 cost and its relative cost of drafting measured (twice the samples an exploration takes: a cost within a few
         percent of k = 0's is then told apart without exploring), and acceptance with some evidence, so live
         traffic is not where a draft that loses is found out."""
         if self.k_max == 0:
             return []
         sizes = sorted({min(1 << i, max_batch_size) for i in range(max(1, max_batch_size).bit_length() + 1)})
         ks = [k for k in self.candidates if k in CALIBRATION_KS or k == min(self.k_max, max(CALIBRATION_KS))]
-        ks = [k for k in ks if k > 0] + [0]  # k = 0 last, after its settling steps (unrecorded)
-        plan = []
-        for b in sizes:
-            for k in ks:
-                settle = self.settle_steps if k == 0 and len(ks) > 1 else 0
-                plan += [(b, k)] * (settle + 2 * self.min_samples)
-        return plan
+        # k = 0 last, after its settling steps (unrecorded)
+        block = {k: 2 * self.min_samples + (self.settle_steps if k == 0 else 0) for k in ks}
+        return [(b, k) for b in sizes for k in [*ks[1:], 0] for _ in range(block[k])]
 
     def calibrated(self) -> None:
         """The calibration's steps are in: keep each bucket's relative costs c(k) / c(0) and its k*, forget its
