@@ -9,7 +9,6 @@ from pathlib import Path
 from exspec.bench.equivalence import NEAR_TIE_EPS
 from exspec.engine.config import EngineConfig, check_num_speculative_tokens
 from exspec.errors import BenchError
-from exspec.scheduler.types import POOL_FACTOR
 
 METHODS = ("target-ar", "hf-generate", "hf-assisted", "exspec-mixed", "exspec-fixed", "exspec")
 ENGINE_METHODS = ("target-ar", "exspec-mixed", "exspec-fixed", "exspec")  # through our engine and scheduler
@@ -31,7 +30,8 @@ class BenchConfig:
     num_prompts: int = 32  # SpecBench questions, evenly spaced over those that fit max_prompt_len
     max_prompt_len: int | None = None  # questions longer than this many tokens are left out; None: no limit
     max_tokens: int = 128  # new tokens per prompt (fewer when EOS comes first)
-    pool_factor: int = POOL_FACTOR  # exspec's pool W = pool_factor * B (capped at max(B, num_prompts))
+    # exspec's pool W = pool_factor * B, capped at max(B, num_prompts); None: serve's default (default_pool_size)
+    pool_factor: int | None = None
     repeats: int = DEFAULT_REPEATS["throughput"]  # timed runs per (method, B); the median is reported
     chat_template: bool = False  # prompts through the tokenizer's chat template
     warmup: bool = True  # one untimed short run per (method, B) before the timed ones
@@ -79,7 +79,7 @@ class BenchConfig:
             bad("--max-prompt-len", ">= 1", self.max_prompt_len)
         if self.max_tokens < 1:
             bad("--max-tokens", ">= 1", self.max_tokens)
-        if self.pool_factor < 1:
+        if self.pool_factor is not None and self.pool_factor < 1:
             bad("--pool-factor", ">= 1", self.pool_factor)
         if self.repeats < 1:
             bad("--repeats", ">= 1", self.repeats)

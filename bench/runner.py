@@ -15,9 +15,9 @@ Methods (`METHODS`):
 - `hf-assisted`: Hugging Face assisted generation (`assistant_model=draft`), k fixed, batch 1 only.
 - `exspec-mixed`: exspec at a fixed k with every step through the mixed-length path (the engine's
   `force_mixed=True`).
-- `exspec-fixed`: exspec at a fixed k with EXSPEC grouping, pool W = pool_factor * B.
+- `exspec-fixed`: exspec at a fixed k with EXSPEC grouping, pool W = pool_factor * B (serve's W by default).
 - `exspec`: exspec exactly as served by default: `SchedulerConfig`'s default speculation policy (not passed
-  here, so the row follows the default wherever it goes), k as the largest k, pool W = pool_factor * B.
+  here, so the row follows the default wherever it goes), k as the largest k, pool W as exspec-fixed.
   As in a server, whose one scheduler keeps its policy across requests, each (method, B) keeps one policy
   across its warm-up and timed runs: what the policy learned in one run carries into the next; and as
   `exspec serve` does before serving, the policy runs its calibration steps first (untimed, as the warm-up;
@@ -65,6 +65,7 @@ from exspec.engine import (
     load_model_pair,
 )
 from exspec.scheduler import SchedulerConfig, SchedulerCore, SpeculationPolicy, generate_offline, policies
+from exspec.scheduler.types import default_pool_size
 
 from exspec.errors import BenchError
 
@@ -258,7 +259,7 @@ class Bench:
     def _pool_size(self, method: str, b: int) -> int:
         if method == "target-ar":
             return b
-        return max(b, min(self.config.pool_factor * b, len(self.prompts)))
+        return max(b, min(default_pool_size(b, self.config.pool_factor), len(self.prompts)))
 
     def _k(self, method: str) -> int:
         """k of an engine method: 0 for target-ar, K for exspec-fixed-kK, else --num-speculative-tokens."""

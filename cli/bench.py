@@ -14,6 +14,7 @@ from pathlib import Path
 
 from exspec.bench.config import DEFAULT_KV_LENS, DEFAULT_REPEATS, METHODS, SYNTHETIC_CACHE, SYNTHETIC_NAMES, BenchConfig
 from exspec.cli.flags import ENGINE_FIELDS, add_settings_arguments, resolve_models, settings_from_args
+from exspec.scheduler.types import POOL_FACTOR
 
 # The shared settings bench takes: the same flags, EXSPEC_* variables, defaults and checks as serve and generate
 # (cli/settings.py: Settings, resolved into the EngineConfig by resolve()), less the scheduler's batch and pool (the
@@ -76,7 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run exspec-fixed once per k in this comma-separated list (rows exspec-fixed-kK), e.g. "
                         "0,1,2,4,6 to find the best fixed k in the same run (default: only at --num-speculative-tokens)")
     p.add_argument("--pool-factor", type=int, default=None,
-                   help=f"exspec pool W = factor x B, capped at the prompt count (default: {BenchConfig.pool_factor})")
+                   help=f"exspec pool W = factor x B, capped at the prompt count (default: serve's, {POOL_FACTOR} x B, "
+                        "1 at B = 1)")
     p.add_argument("--repeats", type=int, default=None,
                    help=f"timed runs per point; the median is reported (default: {DEFAULT_REPEATS['throughput']}; "
                         f"forward mode: {DEFAULT_REPEATS['forward']})")

@@ -49,8 +49,8 @@ FLAGS = {
     "speculation": ("MODE", f"{' | '.join(SPECULATION_MODES)}: how k is chosen per step "
                             f"(default {Settings.model_fields['speculation'].default})"),
     "max_batch_size": ("B", f"sequences per speculative step (default {_default('max_batch_size')})"),
-    "pool_size": ("W", f"live sequences at most (sequence slots), W >= B (default {POOL_FACTOR} x B); the KV blocks "
-                       "free bound them too"),
+    "pool_size": ("W", f"live sequences at most (sequence slots), W >= B (default {POOL_FACTOR} x B, 1 at B = 1); "
+                       "the KV blocks free bound them too"),
     "max_waiting": ("N", f"requests queued beyond the pool before the server answers 429 "
                          f"(default {_default('max_waiting')})"),
     "host": ("HOST", "address to listen on (default 127.0.0.1)"),

@@ -22,7 +22,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from exspec.demo.recipe import DEFAULT_DEMO, DEMO_PAIRS
 from exspec.engine.config import DEFAULT_MAX_MODEL_LEN, GEMM_MODES, MAX_SPECULATIVE_TOKENS, position_limit_of
 from exspec.engine.config import DTYPES as ENGINE_DTYPES
-from exspec.scheduler.types import POOL_FACTOR, SchedulerConfig
+from exspec.scheduler.types import SchedulerConfig, default_pool_size
 from exspec.server.config import INT64_MAX, ServerConfig
 
 from exspec.errors import ConfigError
@@ -62,7 +62,7 @@ class Settings(BaseSettings):
     speculation: str = DEFAULT_SPECULATION
     calibrate: bool = True  # serve: the policy's calibration steps before serving (SchedulerCore.calibrate)
     max_batch_size: int = Field(default=SchedulerConfig.max_batch_size, ge=1, le=4096)  # B: sequences per step
-    pool_size: int | None = Field(default=None, ge=1, le=65536)  # W: live sequences (KV slots); default POOL_FACTOR x B
+    pool_size: int | None = Field(default=None, ge=1, le=65536)  # W: live sequences (KV slots); default_pool_size(B)
     max_waiting: int = Field(default=SchedulerConfig.max_waiting, ge=1)  # queued beyond this: the server's 429
     # the server
     host: str = "127.0.0.1"
@@ -126,7 +126,7 @@ class Settings(BaseSettings):
 
     @property
     def resolved_pool_size(self) -> int:
-        return self.pool_size if self.pool_size is not None else POOL_FACTOR * self.max_batch_size
+        return self.pool_size if self.pool_size is not None else default_pool_size(self.max_batch_size)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

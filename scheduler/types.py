@@ -15,6 +15,16 @@ DEFAULT_BATCH_SIZE = 8  # B when none is given
 POOL_FACTOR = 4  # W = POOL_FACTOR x B when no pool size is given (serve, generate; the bench's --pool-factor)
 
 
+def default_pool_size(max_batch_size: int, factor: int | None = None) -> int:
+    """W when none is given: factor (POOL_FACTOR) x B, the live sequences among which a step looks for a same-length
+    group. At B = 1 every sequence is a group of its own, so with no factor given W = 1: a larger pool would only
+    take turns between sequences, which on the CPU costs time (the toy demo target alone at B = 1, pool 4 against
+    1: 0.96x to 0.97x tokens/s, its decode forwards 4-8% slower; 350m pair: equal; docs/BENCHMARKS.md section 2)."""
+    if factor is None:
+        factor = POOL_FACTOR if max_batch_size > 1 else 1
+    return factor * max_batch_size
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_batch_size: int = DEFAULT_BATCH_SIZE  # B: sequences in one speculative step

@@ -85,6 +85,7 @@ def test_numbers_are_consistent(rows):
         assert by[("hf-generate", b)]["speculation"] is None
     assert by[("exspec", 2)]["pool_size"] == 3  # 4 x B, capped at the 3 prompts
     assert by[("target-ar", 2)]["pool_size"] == 2
+    assert by[("exspec", 1)]["pool_size"] == by[("exspec-fixed", 1)]["pool_size"] == 1  # serve's W at B = 1
 
 
 def test_exspec_and_plain_decoding_reproduce_the_target_exactly(rows):

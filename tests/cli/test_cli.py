@@ -44,6 +44,14 @@ def test_defaults():
     assert s.resolved_pool_size == 4 * s.max_batch_size
 
 
+@pytest.mark.parametrize("batch, pool", [(1, 1), (2, 8), (3, 12)])
+def test_the_default_pool_holds_four_batches_but_one_sequence_at_batch_size_one(batch, pool):
+    """W = 4 x B gives a step same-length groups to find; at B = 1 there are none to find, and taking turns between
+    sequences only costs (docs/BENCHMARKS.md section 2). A W given is kept."""
+    assert _settings("--max-batch-size", str(batch)).resolved_pool_size == pool
+    assert _settings("--max-batch-size", "1", "--pool-size", "4").resolved_pool_size == 4
+
+
 def test_env_then_flags(monkeypatch, tmp_path):
     monkeypatch.setenv("EXSPEC_PORT", "9000")
     monkeypatch.setenv("EXSPEC_MAX_BATCH_SIZE", "2")
