@@ -34,7 +34,11 @@ class BenchConfig:
     pool_factor: int | None = None
     repeats: int = DEFAULT_REPEATS["throughput"]  # timed runs per (method, B); the median is reported
     chat_template: bool = False  # prompts through the tokenizer's chat template
-    warmup: bool = True  # one untimed short run per (method, B) before the timed ones
+    # one untimed run of the timed workload per (method, B) before the timed ones: the engine's first-run costs, and
+    # the `exspec` policy enters its first timed run having seen the workload it is timed on (after a short warm-up,
+    # 8 tokens for prompts of hundreds, its draft-prefill cost per token came out 4x the timed runs' and it ran k = 0
+    # through half of the first one: docs/BENCHMARKS.md section 2)
+    warmup: bool = True
     fixed_ks: tuple[int, ...] = ()  # exspec-fixed at each of these k (rows exspec-fixed-kK); (): at k only
     # `exspec`: its policy's calibration steps before the warm-up, as `exspec serve` runs them before serving (the
     # serve setting `calibrate`, resolved with the engine's settings: --calibrate / --no-calibrate)

@@ -188,7 +188,7 @@ class Bench:
                 runners[(m, b)] = self._runner(m, b)
                 if cfg.warmup:
                     self._set(bar, f"warm-up {m} B={b}")
-                    runners[(m, b)](self.prompts[: min(b, len(self.prompts))], warmup=True)
+                    runners[(m, b)](self.prompts)  # the timed workload, untimed (see `warmup` in BenchConfig)
                     _tick(bar)
             for _ in range(cfg.repeats):
                 for m in at_b:
@@ -253,8 +253,8 @@ class Bench:
         if _base(method) in ENGINE_METHODS:
             return self._engine_runner(method, b)
         if method == "hf-generate":
-            return lambda prompts, warmup=False: self._hf_generate(prompts, b, warmup)
-        return lambda prompts, warmup=False: self._hf_assisted(prompts, warmup)
+            return lambda prompts: self._hf_generate(prompts, b)
+        return self._hf_assisted
 
     def _pool_size(self, method: str, b: int) -> int:
         if method == "target-ar":
@@ -300,14 +300,13 @@ class Bench:
         self._policies[(method, b)] = policy
         uncalibrated = method == "exspec" and cfg.calibrate
 
-        def run(prompts: list[list[int]], warmup: bool = False) -> RunResult:
+        def run(prompts: list[list[int]]) -> RunResult:
             nonlocal uncalibrated
             if uncalibrated:  # as `exspec serve` before serving: once, before the first run, untimed
                 prompts_for_calibration = calibration_prompts(self.pair.tokenizer, b, self.max_model_len)
                 SchedulerCore(engine, sched, policy).calibrate(prompts_for_calibration)
                 uncalibrated = False
-            max_tokens = min(8, cfg.max_tokens) if warmup else cfg.max_tokens
-            params = [SamplingParams(max_tokens=max_tokens)] * len(prompts)
+            params = [SamplingParams(max_tokens=cfg.max_tokens)] * len(prompts)
             results, summary = generate_offline(engine, prompts, params, sched, speculation=policy)
             failed = [r for r in results if r.error]
             if failed:
@@ -354,9 +353,9 @@ class Bench:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def _hf_generate(self, prompts: list[list[int]], b: int, warmup: bool) -> RunResult:
+    def _hf_generate(self, prompts: list[list[int]], b: int) -> RunResult:
         """Static batches of b prompts, left-padded with the tokenizer's pad id (padding_side="left")."""
-        gen_cfg = self._generation_config(min(8, self.config.max_tokens) if warmup else self.config.max_tokens)
+        gen_cfg = self._generation_config(self.config.max_tokens)
         model = self.pair.target
         outputs: list[list[int]] = []
         self._sync()
@@ -372,11 +371,11 @@ class Bench:
         return RunResult(outputs, seconds, 1.0, None)
 
     @torch.inference_mode()
-    def _hf_assisted(self, prompts: list[list[int]], warmup: bool) -> RunResult:
+    def _hf_assisted(self, prompts: list[list[int]]) -> RunResult:
         """Assisted generation at batch 1 with exactly k draft tokens per step (constant schedule, no
         confidence-based early stop). Acceptance length: generated tokens / target forward calls."""
         k = self.config.num_speculative_tokens
-        gen_cfg = self._generation_config(min(8, self.config.max_tokens) if warmup else self.config.max_tokens)
+        gen_cfg = self._generation_config(self.config.max_tokens)
         target, draft = self.pair.target, self.pair.draft
         saved = draft.generation_config
         draft.generation_config = _copy(saved)

@@ -95,6 +95,9 @@ class _Bucket:
     # times these predicts the k > 0 costs until they are measured live
     ratios: dict[int, tuple[float, float]] = field(default_factory=dict)
     rows: float = 0.0  # mean rows per step (decayed)
+    # calibrated: live relative costs over the calibration's, (c(k) / c(0) measured) / (c(k) / c(0) calibrated), each
+    # from a k > 0 and k = 0 measured within `pair_steps` steps of each other (`_pair`)
+    paired: deque = field(default_factory=lambda: deque(maxlen=16))
     streak: int = 0  # steps chosen in a row in this bucket, up to the last
     regime: bool | None = None  # whether the bucket's last observed step drafted (None: none observed)
     settling: int = 0  # k = 0 steps after drafting still to observe before their costs are recorded
@@ -129,6 +132,7 @@ class AutoPolicy(SpeculationPolicy):
         prefill_decay: float = 1 / 16,
         streak_steps: int = 8,
         settle_steps: int = 8,
+        pair_steps: int = 16,
     ) -> None:
         super().__init__(k_max)
         self.candidates = candidates_for(k_max)
@@ -145,7 +149,7 @@ class AutoPolicy(SpeculationPolicy):
         self._drafting_rows = 0.0  # of those, rows that proposed drafts
         self._buckets: dict[int, _Bucket] = {}
         self._last: _Bucket | None = None  # the bucket of the last step chosen
-        self.streak_steps, self.settle_steps = streak_steps, settle_steps
+        self.streak_steps, self.settle_steps, self.pair_steps = streak_steps, settle_steps, pair_steps
         self._prompt_tokens = 0.0  # of finished requests (decayed per request)
         self._output_tokens = 0.0  # of finished requests (decayed per request)
         self._draft_prefill_s = 0.0  # draft seconds of prefill steps that fed the draft (decayed per step)
@@ -205,17 +209,20 @@ class AutoPolicy(SpeculationPolicy):
             return {}
         drafted = [c for c in sorted(med) if c > 0]
         out = {0: (med[0], unc[0])}
-        if st.ratios:  # calibrated: its relative costs carry over to live traffic (absolute ones do not: the
-            # contexts and the rest of a live step differ), rescaled by what k > 0 steps measure live, if any
-            w = {c: len(st.costs[c]) for c in drafted}
-            pred = {k: med[0] * st.ratios[k][0] for k in self.candidates[1:]}
-            scale = (sum(w[c] * med[c] / pred[c] for c in drafted) + self.fit_weight) / (sum(w.values()) + self.fit_weight)
+        if st.ratios:  # calibrated: the relative costs c(k) / c(0) are the calibration's, live steps give the level
+            # only. Live, the ks are measured at different times, on different contexts (a bucket's first k = 0
+            # steps on short ones, its drafting steps on longer ones): compared, the growth of the contexts reads as
+            # a change of k's cost (on the 350m pair at B = 4 k = 2 looked 15% dearer than it is, and the policy ran
+            # k = 0 for 16 steps of a 24-step batch). The calibration measures every k on the same prompts.
+            # What live steps do say about relative costs comes from a k > 0 and k = 0 measured close together (an
+            # exploration's burst beside the steps it left): `paired`, shrunk toward 1 by `fit_weight` pseudo-pairs.
+            scale = (sum(st.paired) + self.fit_weight) / (len(st.paired) + self.fit_weight)
+            ratio = {0: 1.0, **{k: r * scale for k, (r, _) in st.ratios.items()}}
+            w = {c: len(st.costs[c]) for c in med}
+            level = sum(w[c] * med[c] / ratio[c] for c in med) / sum(w.values())  # c(0) now, from every k measured
+            out[0] = (level, unc[0])
             for k in self.candidates[1:]:
-                fit = pred[k] * scale
-                if k in med:
-                    out[k] = ((w[k] * med[k] + self.fit_weight * fit) / (w[k] + self.fit_weight), unc[k])
-                else:
-                    out[k] = (fit, st.ratios[k][1] + CALIBRATION_DRIFT)
+                out[k] = (level * ratio[k], st.ratios[k][1] + CALIBRATION_DRIFT)
             return out
         if not drafted:
             near = self._nearest_drafted(st)
@@ -293,7 +300,8 @@ class AutoPolicy(SpeculationPolicy):
         per_token = self.draft_overhead() * max(1.0, st.rows)  # o * n: draft prefill seconds per token of a row
         goodput, optimistic = {}, {}
         for k, (c, u) in costs.items():
-            low = c * max(0.5, 1 - u)
+            # calibrated: live steps do not measure relative costs (`_costs`), an exploration learns acceptance only
+            low = c if st.ratios else c * max(0.5, 1 - u)
             t, t_up = 1 + f * (self._expected(rates, k) - 1), 1 + f * (self._expected(upper, k) - 1)
             if k > 0:  # a drafting step does all a k = 0 step does, and more (a cost measured below it is noise);
                 # and its tokens need the draft prefilled
@@ -307,7 +315,8 @@ class AutoPolicy(SpeculationPolicy):
         if held in goodput and best != 0 and held != 0 and goodput[best] < (1 + self.margin) * goodput[held]:
             best = held  # hysteresis among k > 0: a near-tie does not switch
         bar = (1 + self.margin) * goodput[best]
-        worth = [k for k in self.candidates if k != best and optimistic[k] > bar]
+        # calibrated: only a k above k* drafts positions k* leaves unmeasured
+        worth = [k for k in self.candidates if k != best and optimistic[k] > bar and (k > best or not st.ratios)]
         explore = max(worth, key=lambda k: (optimistic[k], -k)) if worth else None
         return best, explore, goodput, costs
 
@@ -454,6 +463,8 @@ class AutoPolicy(SpeculationPolicy):
             st.settling = self.settle_steps if st.regime else max(0, st.settling - 1)
         st.regime = k > 0
         if k > 0 or st.settling == 0:
+            if st.ratios:
+                self._pair(st, k, steady)
             st.costs.setdefault(k, deque(maxlen=self.window)).append(steady)
             st.last[k] = st.steps
         if k == 0:
@@ -468,6 +479,16 @@ class AutoPolicy(SpeculationPolicy):
             self._tried[i] += reached
             self._accepted[i] += n
             reached = float(n)
+
+    def _pair(self, st: _Bucket, k: int, seconds: float) -> None:
+        """A calibrated bucket's step of k (recorded): if the other side (k = 0 for a k > 0, the last k > 0 for a k = 0)
+        was measured within `pair_steps` steps, their relative cost over the calibration's joins `st.paired`."""
+        other = 0 if k > 0 else max((c for c in st.last if c > 0), key=lambda c: st.last[c], default=None)
+        if other is None or st.steps - st.last[other] > self.pair_steps or not st.costs.get(other):
+            return
+        recent = statistics.median(list(st.costs[other])[-self.min_samples:])
+        drafted, plain, c = (seconds, recent, k) if k > 0 else (recent, seconds, other)
+        st.paired.append(drafted / plain / st.ratios[c][0])
 
     def observe_prefill(self, num_tokens: int, draft_seconds: float) -> None:
         if draft_seconds <= 0 or num_tokens <= 0:
