@@ -23,7 +23,11 @@ by their sample counts (k draft forwards and k more query columns in the verify;
 draft forward's fixed cost and the verify's second column, is in a). A measured k's cost is its median
 pulled toward the line (`fit_weight` pseudo-samples), so neighbouring k share their evidence; a k not
 measured is the line's value. With one k > 0 measured the slope is half the one from k = 0 (uncertain);
-with only k = 0 measured, c(0) * (1 + `prior_slope` * k).
+with only k = 0 measured, c(0) * (1 + `prior_slope` * k). A calibrated bucket (`calibration`) takes its relative
+costs c(k) / c(0) from the calibration, where each k ran in a block on the same prompts: live, the ks are measured at
+different times on different contexts, and comparing them reads the contexts' growth as a change of k's cost. Its
+live steps give the level c(0), and its relative costs move only by paired evidence: a k > 0 and a k = 0 measured
+within `pair_steps` steps of each other (an exploration's burst beside the steps it left).
 
 Draft prefill. Drafting has a cost outside the decode steps: every prompt is prefilled into the draft too
 (or caught up later, the same work). Per generated token it is the draft's prefill seconds per prompt token
@@ -37,14 +41,17 @@ fraction of rows that draft when k > 0 (rows that opted out emit one token whate
 mean rows per step, and c(k) never below c(0) (a drafting step does all a k = 0 step does and more: a lower
 measurement is noise). o leaves the choice among k > 0 as it is (a cost per token, the same for every k > 0):
 it decides between drafting and not. The step runs k* = argmax G, and k = 0 unless some k beats
-it by `margin` (near-ties go to plain decoding: it skips the draft's prefill too, `drafting()`); between two
-k > 0 the one running stays unless the other beats it by `margin`. The plan is computed again every
+it by `draft_margin` (5%: near-ties go to plain decoding, which skips the draft's prefill too, `drafting()`, and
+pays no catch-up; on the 350m pair at B = 8 fixed k = 1 was 1-3.5% slower than k = 0 in five runs while the
+calibrated model put it 2% or more above); between two k > 0 the one running stays unless the other beats it by
+`margin` (2%). The plan is computed again every
 `replan_every` steps of a bucket and after any step that measured another k (a plan costs ~0.1 ms of Python,
 a choice from the last one ~0.01 ms).
 
 Exploration, only where the models are uncertain: an optimistic goodput G+(k) (acceptance at its upper
 bound, `z` standard errors; cost at its lower bound: sampling spread over sqrt(n), wider for predicted and
-stale costs) names a k whose measurement could change the decision (G+(k) > (1 + margin) * G(k*)). It is
+stale costs) names a k whose measurement could change the decision (G+(k) > (1 + margin) * G(k*); in a calibrated
+bucket only a k above k*, whose acceptance at the positions k* leaves undrafted is uncertain, at its cost). It is
 measured in a burst of `min_samples` steps (old samples dropped if stale) when the bucket's exploring
 seconds, catch-up included, are within `budget` of its decode seconds plus `free_steps` steps of k = 0 (at
 once for a bucket with nothing to go on; one that starts from another bucket that drafted earns them at one per 4
@@ -120,6 +127,7 @@ class AutoPolicy(SpeculationPolicy):
         prior_strength: float = 4.0,
         prior_slope: float = 0.15,
         margin: float = 0.02,
+        draft_margin: float = 0.05,
         z: float = 1.0,
         budget: float = 0.03,
         free_steps: int = 12,
@@ -139,6 +147,7 @@ class AutoPolicy(SpeculationPolicy):
         self.window, self.min_samples = window, min_samples
         self.accept_decay, self.idle_decay, self.prior_strength = accept_decay, idle_decay, prior_strength
         self.prior_slope, self.margin, self.z = prior_slope, margin, z
+        self.draft_margin = draft_margin
         self.budget, self.free_steps, self.stale_steps = budget, free_steps, stale_steps
         self.share_decay, self.draft_share, self.fit_weight = share_decay, draft_share, fit_weight
         self.replan_every = replan_every
@@ -309,7 +318,7 @@ class AutoPolicy(SpeculationPolicy):
                 c, low = c + per_token * t, low + per_token * t_up
             goodput[k], optimistic[k] = t / c, t_up / low
         best = max(self.candidates, key=lambda k: (goodput[k], -k))
-        if goodput[best] < (1 + self.margin) * goodput[0]:
+        if goodput[best] < (1 + self.draft_margin) * goodput[0]:
             best = 0
         held = st.best
         if held in goodput and best != 0 and held != 0 and goodput[best] < (1 + self.margin) * goodput[held]:

@@ -410,29 +410,29 @@ def test_auto_weighs_k_without_the_one_off_catch_up():
 
 def test_auto_charges_drafting_for_the_drafts_prefill():
     """Every prompt is prefilled into the draft too, which costs o seconds per generated token (the draft's
-    seconds per prompt token x prompt tokens per generated token). Where drafting gains 10% per step but o
-    makes every k > 0 lose by 16%, the policy settles on k = 0 and stops feeding prompts to the draft; with the
+    seconds per prompt token x prompt tokens per generated token). Where drafting gains 27% per step but o
+    makes every k > 0 lose by 18%, the policy settles on k = 0 and stops feeding prompts to the draft; with the
     same steps and no such reports it drafts. o leaves the choice among k > 0 alone where drafting pays."""
-    def with_overhead(policy):  # o = 0.0001 s per prompt token x 10 prompt tokens per output token = 1 ms
+    def with_overhead(policy):  # o = 0.00015 s per prompt token x 10 prompt tokens per output token = 1.5 ms
         for _ in range(40):
-            policy.observe_prefill(320, 0.032)
+            policy.observe_prefill(320, 0.048)
             policy.observe_finished(320, 32)
         return policy
 
-    world = _World(STRONG, 0.3, 0.5, seed=2)
-    o = 0.001
+    world = _World(STRONG, 0.2, 0.4, seed=2)
+    o = 0.0015
 
     def goodput(k):  # tokens per second, the draft's prefill included
         tokens = 8 * _expected_tokens(STRONG, k)
         return tokens / (world.cost(8, k) + (o * tokens if k else 0.0))
 
-    assert world.best(8, range(9)) == 2 and world.goodput(8, 2) >= 1.09 * world.goodput(8, 0)  # the premise
+    assert world.best(8, range(9)) == 3 and world.goodput(8, 3) >= 1.25 * world.goodput(8, 0)  # the premise
     assert max(goodput(k) for k in range(1, 9)) <= 0.86 * goodput(0)
     policy = with_overhead(create("auto", 8))
     assert policy.draft_overhead() == pytest.approx(o)
     chosen, _ = _run_auto(policy, world, 8, 400)
     assert chosen[100:].count(0) >= 0.95 * len(chosen[100:]) and not policy.drafting()
-    chosen, _ = _run_auto(create("auto", 8), _World(STRONG, 0.3, 0.5, seed=2), 8, 400)
+    chosen, _ = _run_auto(create("auto", 8), _World(STRONG, 0.2, 0.4, seed=2), 8, 400)
     assert chosen[100:].count(0) < 0.5 * len(chosen[100:])
 
     acc, jump, slope, batch, _ = REGIMES["pays-k4"]  # at batch size 1 drafting pays: 1 ms per token changes nothing
@@ -550,6 +550,28 @@ def test_auto_calibrated_does_not_read_growing_contexts_as_a_dearer_draft():
         chosen, _ = _run_auto(policy, world, 4, 200)
         assert chosen.count(0) <= policy.min_samples, (seed, chosen)  # the first live k = 0 steps: the level
         assert _expected_goodput(world, 4, chosen) >= 0.97 * world.goodput(4, best), (seed, chosen)
+
+
+def test_auto_does_not_start_drafting_for_a_gain_within_its_draft_margin():
+    """Drafting has costs a step's time does not show (the draft's prefill of every prompt, the catch-up of rows that
+    were not fed): a k > 0 that the models put less than `draft_margin` (5%) above k = 0 is not run. At B = 8 on the
+    350m pair fixed k = 1 was 1-3.5% slower than k = 0 in five runs while the calibrated model put it 2% or more above.
+    Here k = 2 gains 2.8% per step: calibrated, the policy decodes plainly; with the 2% margin among k > 0 it drafts
+    in two of the three worlds."""
+    from exspec.scheduler.policies.auto import AutoPolicy
+
+    counts = {}
+    for margin in (0.05, 0.02):
+        counts[margin] = []
+        for seed in range(3):
+            world = _World(STRONG, 0.3, 0.58, seed=seed)
+            assert 1.02 < world.goodput(8, 2) / world.goodput(8, 0) < 1.03  # the premise: a near-tie
+            policy = _calibrated(AutoPolicy(4, draft_margin=margin), world, 8)
+            chosen, _ = _run_auto(policy, world, 8, 200)
+            counts[margin].append(chosen.count(0))
+    assert create("auto", 4).draft_margin == 0.05
+    assert min(counts[0.05]) >= 190
+    assert sum(n < 150 for n in counts[0.02]) >= 2
 
 
 WEAK = ([0.1] * 8, 0.3, 0.1, 1, 0)  # a draft that agrees on 10% of tokens (the demo pair's): every k > 0 loses by 15%+
