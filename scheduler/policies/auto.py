@@ -104,7 +104,7 @@ class _Bucket:
     rows: float = 0.0  # mean rows per step (decayed)
     # calibrated: live relative costs over the calibration's, (c(k) / c(0) measured) / (c(k) / c(0) calibrated), each
     # from a k > 0 and k = 0 measured within `pair_steps` steps of each other (`_pair`)
-    paired: deque = field(default_factory=lambda: deque(maxlen=16))
+    paired: deque = field(default_factory=deque)  # the last `window` (AutoPolicy._bucket)
     streak: int = 0  # steps chosen in a row in this bucket, up to the last
     regime: bool | None = None  # whether the bucket's last observed step drafted (None: none observed)
     settling: int = 0  # k = 0 steps after drafting still to observe before their costs are recorded
@@ -293,7 +293,7 @@ class AutoPolicy(SpeculationPolicy):
     def _bucket(self, b: int) -> _Bucket:
         st = self._buckets.get(b)
         if st is None:
-            st = self._buckets[b] = _Bucket(b)
+            st = self._buckets[b] = _Bucket(b, paired=deque(maxlen=self.window))
         return st
 
     def plan(self, batch_size: int) -> tuple[int, int | None, dict[int, float]]:
