@@ -18,8 +18,9 @@ from exspec.scheduler.types import POOL_FACTOR
 
 # The shared settings bench takes: the same flags, EXSPEC_* variables, defaults and checks as serve and generate
 # (cli/settings.py: Settings, resolved into the EngineConfig by resolve()), less the scheduler's batch and pool (the
-# bench sweeps --batch-sizes, with W = --pool-factor x B) and its policy (the `exspec` method runs the scheduler's
-# default, exspec-fixed and exspec-mixed a fixed k); plus serve's `calibrate` (the `exspec` method calibrates as serve does).
+# bench sweeps --batch-sizes, with W = --pool-factor x B or serve's default W) and its policy (the `exspec` method runs
+# the scheduler's default, exspec-fixed and exspec-mixed a fixed k); plus serve's `calibrate` (the `exspec` method
+# calibrates as serve does).
 BENCH_FIELDS = (*(f for f in ENGINE_FIELDS if f not in ("max_batch_size", "pool_size", "speculation")), "calibrate")
 
 

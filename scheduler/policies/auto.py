@@ -394,9 +394,9 @@ class AutoPolicy(SpeculationPolicy):
         max_batch_size, each k in a block of consecutive steps, k = 0 last with `settle_steps` more (k = 0 right
         after drafting steps costs more than plain decoding does: on the toy pair twice, settling over some ten
         steps; interleaved, it made drafting look half as dear as it is): every bucket the server will run starts
-        with its k = 0 cost and its relative cost of drafting measured (twice the samples an exploration takes: a cost within a few
-        percent of k = 0's is then told apart without exploring), and acceptance with some evidence, so live
-        traffic is not where a draft that loses is found out."""
+        with its k = 0 cost and its relative cost of drafting measured (twice the samples an exploration takes: a
+        cost within a few percent of k = 0's is then told apart without exploring), and acceptance with some
+        evidence, so live traffic is not where a draft that loses is found out."""
         if self.k_max == 0:
             return []
         sizes = sorted({min(1 << i, max_batch_size) for i in range(max(1, max_batch_size).bit_length() + 1)})
