@@ -107,7 +107,8 @@ def _throughput(args, template: EngineConfig, resolve_models, resolve_engine: Re
         raise BenchError(f"--write-reference: directory {str(args.write_reference.resolve().parent)!r} does not exist")
     target, draft, extra = _pair(args, template.device, resolve_models)
     config = replace(config, engine=resolve_engine(target, draft))  # the models' position limit checked here
-    bench = Bench(config, progress=not args.no_progress)
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.no_progress else None
+    bench = Bench(config, progress=not args.no_progress, log=log)
     meta = _meta(args, "exspec bench", config.device, config.dtype)  # load average as the timed runs start
     rows = [r.to_dict() for r in bench.run()]
     from exspec.scheduler import SchedulerConfig

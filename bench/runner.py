@@ -133,9 +133,10 @@ def _base(method: str) -> str:
 class Bench:
     """Loads the pair once, builds each method's runner lazily, times them, compares outputs."""
 
-    def __init__(self, config: BenchConfig, progress: bool = True) -> None:
+    def __init__(self, config: BenchConfig, progress: bool = True, log: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.progress = progress
+        self.log = log  # given: one line per timed run as it ends (what a run cut off by a time limit still shows)
         self.pair: ModelPair = load_model_pair(config.engine)
         self.device = torch.device(config.device)
         tok = self.pair.tokenizer
@@ -193,7 +194,13 @@ class Bench:
             for _ in range(cfg.repeats):
                 for m in at_b:
                     self._set(bar, f"{m} B={b}")
-                    runs.setdefault((m, b), []).append(runners[(m, b)](self.prompts))
+                    run = runners[(m, b)](self.prompts)
+                    runs.setdefault((m, b), []).append(run)
+                    if self.log is not None:
+                        acc = run.mean_acceptance_length
+                        self.log(f"[bench] {m} B={b}: {run.generated_tokens} tokens in {run.seconds:.2f} s, "
+                                 f"{run.generated_tokens / run.seconds:.1f} tok/s"
+                                 + ("" if acc is None else f", acceptance {acc:.2f}"))
                     _tick(bar)
             runners.clear()  # free this batch size's KV pools before the next one's
         self._set(bar, "reference and near-tie check")

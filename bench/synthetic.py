@@ -51,15 +51,16 @@ class SyntheticShape:
 
 
 SHAPES = {
-    # scale chosen for a teacher-forced agreement near 0.7 (measured at seed 0: tiny 0.68, 350m 0.71; the
-    # GPU shapes' scales are extrapolated, not yet measured: the built pair reports its own agreement).
+    # scale chosen for a teacher-forced agreement near 0.7 on the CPU shapes (measured at seed 0: tiny 0.68, 350m
+    # 0.71) and near 0.85 on the GPU shapes, as the GPU issue asks (scripts/synthetic_agreement.py on an H100,
+    # 2026-11-24, seed 0: 1b 0.856 at 0.015; 8b 0.878 at 0.01, 0.808 at 0.015). The built pair reports its own.
     # For tests: builds in about a second.
     "tiny": SyntheticShape(64, 128, 4, 4, 2, 512, scale=0.3),
     # ~350M parameters, for a CPU.
     "350m": SyntheticShape(1024, 2816, 24, 16, 8, 32000, scale=0.02),
     # Llama 3.2 1B and Llama 3.1 8B shapes, for a GPU (created in bfloat16).
-    "1b": SyntheticShape(2048, 8192, 16, 32, 8, 128256, scale=0.03, build_dtype="bfloat16"),
-    "8b": SyntheticShape(4096, 14336, 32, 32, 8, 128256, scale=0.015, build_dtype="bfloat16"),
+    "1b": SyntheticShape(2048, 8192, 16, 32, 8, 128256, scale=0.015, build_dtype="bfloat16"),
+    "8b": SyntheticShape(4096, 14336, 32, 32, 8, 128256, scale=0.012, build_dtype="bfloat16"),
 }
 assert tuple(SHAPES) == SYNTHETIC_NAMES, "bench/config.py lists the synthetic shapes for the CLI"
 

@@ -40,9 +40,9 @@ FLAGS = {
                                f"{KV_MEMORY_DEFAULT['cpu']} of available RAM on CPU)"),
     "gemm": ("MODE", "auto | packed | default: oneDNN-prepacked linears for multi-row CPU forwards (default auto: "
                      "packed for float32 on CPU)"),
-    "compile": (None, "--compile: the draft's one-token forwards and the verify run compiled at static shapes "
-                      "(torch.compile fullgraph; CUDA graphs on CUDA, never yet run on a GPU); default --no-compile "
-                      "on every device until measured"),
+    "compile": (None, "--compile: the draft's forwards and the verify run compiled at static shapes "
+                      "(torch.compile fullgraph; CUDA graphs on CUDA: 2x to 7.6x faster decode steps on an H100, "
+                      "30-70 s to compile each batch bucket and width at first use); default --no-compile"),
     "calibrate": (None, "--calibrate: before serving (bench: before the exspec method's warm-up), a few seconds of "
                         "steps at each batch size and k measure what the speculation policy would otherwise explore "
                         "under live traffic (default); --no-calibrate: it starts unmeasured"),

@@ -75,9 +75,10 @@ class EngineConfig:
     # device's default (KV_MEMORY_DEFAULT). Never more blocks than max_num_seqs sequences of max_model_len.
     kv_cache_memory: float | int | None = None
     gemm: str = "auto"  # "auto" | "packed" | "default": oneDNN-prepacked linears for multi-row CPU forwards
-    # The draft's one-token forwards and the verify through compiled static-shape forwards (engine/static_forward.py).
-    # Off by default on every device: on the CPU it is a capturability proof, not a speed-up; on CUDA it is not yet
-    # measured (CUDA graph capture has never run on a GPU).
+    # The draft's forwards and the verify through compiled static-shape forwards (engine/static_forward.py). Off by
+    # default on every device: on the CPU it is a capturability proof, not a speed-up; on CUDA it is a 2x to 7.6x
+    # faster decode step (one H100, docs/BENCHMARKS.md section 0) but each (bucket, Q) compiles for 30-70 s at its
+    # first use, which a server does not yet do before serving.
     compile: bool = False
 
     def __post_init__(self) -> None:

@@ -42,6 +42,7 @@ class _Clock:
         return time.perf_counter()
 
     def seconds(self, start, end) -> float:
+        """Only after the host sync that follows `end` (a CUDA event must have completed to be read)."""
         return start.elapsed_time(end) / 1000.0 if self.cuda else end - start
 
 
@@ -329,11 +330,10 @@ class SpecEngine:
         logits = self._suppress_stops(logits, plan.states, list(plan.generated))
         out_tokens, num_accepted = self._accept(plan, draft, logits)
         t3 = self._clock.mark()
-        seconds = self._clock.seconds
         for chunk, st in zip(chunks, plan.states):
             st.num_prefilled = chunk.end
         # draft_s: the draft's prefill; its proposals are in verify_s with the fused forward
-        out = self._commit(plan, out_tokens, num_accepted, seconds(t0, t1), seconds(t1, t3))
+        out = self._commit(plan, out_tokens, num_accepted, (t0, t1), (t1, t3))
         return replace(out, kind="prefill")
 
     # ------------------------------------------------------------------ speculative step
@@ -354,9 +354,7 @@ class SpecEngine:
         logits = self._verify(plan, draft)  # [B, k + 1, V]
         tokens, num_accepted = self._accept(plan, draft, logits)  # [B, k + 1], [B]
         t2 = self._clock.mark()
-        seconds = self._clock.seconds
-        catchup_s = seconds(t0, tc) if caught_up else 0.0
-        return self._commit(plan, tokens, num_accepted, seconds(t0, t1), seconds(t1, t2), catchup_s)
+        return self._commit(plan, tokens, num_accepted, (t0, t1), (t1, t2), (t0, tc) if caught_up else None)
 
     def _plan(self, batch: StepBatch) -> StepPlan:
         """Resolve the batch: each row's draft budget, its blocks for the step, the batch shape, and the per-step
@@ -441,7 +439,11 @@ class SpecEngine:
         starts = [max(n - width, 0) for n in plan.lengths]
         tokens = self._tokens(plan.slot_t, starts, width)  # [B, W]
         last = to_device([n - 1 - s for n, s in zip(plan.lengths, starts)], dev)[:, None]  # [B, 1]
-        logits = self.draft.extend(tokens, starts, list(plan.slots), select=last, force_per_row=mixed)  # [B, 1, V]
+        if self.config.compile:  # the static forward of width W (1 or 2): every draft forward of a step captured
+            logits = self._forward(self.draft, tokens, starts, list(plan.slots), mixed)  # [B, W, V]
+            logits = logits.gather(1, last[:, :, None].expand(-1, -1, logits.shape[-1]))  # [B, 1, V]
+        else:
+            logits = self.draft.extend(tokens, starts, list(plan.slots), select=last, force_per_row=mixed)  # [B, 1, V]
         return self._draft_loop(plan, logits)
 
     def _draft_loop(self, plan: StepPlan, logits: torch.Tensor) -> Draft:
@@ -500,12 +502,11 @@ class SpecEngine:
         self.token_buf[plan.slot_t[:, None], cols] = tokens
         return tokens, num_accepted
 
-    def _commit(
-        self, plan: StepPlan, tokens, num_accepted, draft_s: float, verify_s: float, catchup_s: float = 0.0
-    ) -> StepOutput:
+    def _commit(self, plan: StepPlan, tokens, num_accepted, draft_span, verify_span, catchup_span=None) -> StepOutput:
         """The one host sync; advance each row's lengths by what it accepted. Rollback of rejected drafts is
-        not advancing: nothing is copied."""
+        not advancing: nothing is copied. The spans are (start, end) clock marks, read after the sync."""
         packed = torch.cat([tokens, num_accepted[:, None]], dim=1).tolist()  # [B, k + 2]
+        seconds = self._clock.seconds
         k = plan.k
         outputs = []
         per_pos = [0] * k
@@ -524,9 +525,9 @@ class SpecEngine:
             batch_size=len(outputs),
             num_draft_tokens=k,
             accepted_per_position=tuple(per_pos),
-            draft_s=draft_s,
-            verify_s=verify_s,
-            catchup_s=catchup_s,
+            draft_s=seconds(*draft_span),
+            verify_s=seconds(*verify_span),
+            catchup_s=0.0 if catchup_span is None else seconds(*catchup_span),
         )
 
     # ------------------------------------------------------------------ helpers

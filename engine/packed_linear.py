@@ -61,7 +61,9 @@ class PackedLinear(torch.nn.Module):
         rows = x.numel() // self.in_features
         # Under torch.compile (engine/static_forward.py) the plain linear: the prepacked copy's lazy refresh is a
         # Python side effect a graph cannot hold (the compiler does its own weight layouts).
-        if torch.compiler.is_compiling() or (rows == 1 and not self.one_row_packed):
+        # A packed model later moved off the CPU or out of float32 (a test's bf16 or CUDA copy): the plain linear.
+        if (torch.compiler.is_compiling() or (rows == 1 and not self.one_row_packed)
+                or self.weight.device.type != "cpu" or self.weight.dtype != torch.float32):
             return torch.nn.functional.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)  # [rows, in]
         out = torch.ops.mkldnn._linear_pointwise(flat, self._packed_weight(), self.bias, "none", [], "")  # [rows, out]

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # exspec's GPU check (issue 20 item 4; run by the GPU issue): on a CUDA machine with this repository and no network,
-# within a 10-minute budget, run the GPU tests (the Triton kernel's and every test marked `gpu`), bf16 equivalence on
-# the four test architectures, compile (CUDA graph capture) on against off end to end, the paged kernel's benchmark
-# and the synthetic 1b and 8b tables (B = 1..64, fixed k in 2, 4, 6, the target alone and exspec's own policy),
-# writing logs, JSON and Markdown into one folder.
+# within a 10-minute budget, run the GPU tests (the Triton kernel compiled, the triton backend's engine tests), bf16
+# equivalence on the four test architectures, the synthetic pairs' agreement, compile (CUDA graph capture) on against
+# off end to end, the step profile (eager and captured), the 8b pair's speed (eager and captured, fixed k), the paged
+# kernel's benchmark and the synthetic 1b and 8b `exspec bench` tables (the target alone, fixed k and exspec's own
+# policy), writing logs, JSON and Markdown into one folder. All of it takes about two 10-minute calls: split them with
+# GPU_CHECK_SKIP.
 #
 #   scripts/gpu_check.sh [--dry-run] [OUT_DIR]
 #
@@ -13,12 +15,16 @@
 #
 # Environment: PYTHON (default: .venv/bin/python if present, else python3); GPU_CHECK_BUDGET_S (default 600: a stage
 # that cannot finish inside what is left is cut to it, one with under 20 s left is skipped); GPU_CHECK_PROMPTS /
-# GPU_CHECK_MAX_TOKENS (synthetic tables: prompts, new tokens per prompt; default 64 / 32); GPU_CHECK_BATCH_SIZES
-# (default 1,2,4,8,16,32,64); GPU_CHECK_KS (default 2,4,6); GPU_CHECK_WHEELS (default: .whl): a folder of wheels
+# GPU_CHECK_MAX_TOKENS (synthetic tables: prompts, new tokens per prompt; default 16 / 32); GPU_CHECK_BATCH_SIZES
+# (default 1,8); GPU_CHECK_KS (default 3); GPU_CHECK_SHAPES (default 1b:120,8b:180: the synthetic
+# tables' pairs and stage limits); GPU_CHECK_AGREEMENT_SCALES (the scales swept by scripts/synthetic_agreement.py);
+# GPU_CHECK_SKIP (stage names not to run, comma-separated); GPU_CHECK_WHEELS (default: .whl): a folder of wheels
 # installed into /tmp/exspec-site before anything runs, see docs/GPU.md.
 #
-# NOT YET RUN ON A GPU: written on CPU-only machines; the stage limits are guesses at a 10-minute total, not
-# measurements. Only --dry-run and the Python parts at tiny shapes on the CPU have run (tests/packaging/test_gpu_check.py).
+# Ran on an H100 on 2026-11-24 (docs/BENCHMARKS.md section 0), in four calls, stage by stage: the limits below are
+# those runs' times with room (kernel tests 87 s, bf16 40 s, agreement 23 s, a compile-check bucket about 30 s to
+# compile, the 8b pair about 60 s to build and each captured 8b configuration 40-70 s). The bench stages, eager (each
+# engine would compile its own graphs), have not finished inside a stage yet; they run last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,10 +36,13 @@ fi
 OUT_DIR=${1:-${OUT:-gpu-results/$(date -u +%Y%m%dT%H%M%SZ)}}
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 BUDGET=${GPU_CHECK_BUDGET_S:-600}
-PROMPTS=${GPU_CHECK_PROMPTS:-64}
+PROMPTS=${GPU_CHECK_PROMPTS:-16}
 MAX_TOKENS=${GPU_CHECK_MAX_TOKENS:-32}
-BATCH_SIZES=${GPU_CHECK_BATCH_SIZES:-1,2,4,8,16,32,64}
-KS=${GPU_CHECK_KS:-2,4,6}
+BATCH_SIZES=${GPU_CHECK_BATCH_SIZES:-1,8}
+KS=${GPU_CHECK_KS:-3}
+SHAPES=${GPU_CHECK_SHAPES:-1b:120,8b:180}  # the synthetic tables: NAME:LIMIT_S, comma-separated
+SKIP=${GPU_CHECK_SKIP:-}  # stage names not to run, comma-separated
+AGREEMENT_SCALES=${GPU_CHECK_AGREEMENT_SCALES:-0.01,0.012,0.015}
 WHEELS=${GPU_CHECK_WHEELS:-.whl}
 SYNTHETIC_CACHE=${GPU_CHECK_SYNTHETIC_CACHE:-/tmp/exspec-synthetic}
 STARTED=$SECONDS
@@ -54,7 +63,8 @@ if [ $DRY_RUN = 0 ]; then
         echo "gpu_check: no CUDA device visible to $PYTHON; nothing run (--dry-run prints the plan)." >&2
         exit 2
     fi
-    if ! "$PYTHON" -c "import exspec.engine" 2>/dev/null; then  # not installed: a copy of this checkout, no deps
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout imports as exspec (exspec/__init__.py)
+    if ! "$PYTHON" -c "import exspec.engine" 2>/dev/null; then  # not importable: a copy of this checkout, no deps
         SITE=${SITE:-/tmp/exspec-site}
         "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" . \
             >>"$OUT_DIR/wheels.log" 2>&1 || echo "gpu_check: installing exspec failed (see wheels.log)" >&2
@@ -69,6 +79,10 @@ stage() {
     local name=$1 limit=$2
     shift 2
     local left=$((BUDGET - (SECONDS - STARTED)))
+    if [[ ",$SKIP," == *",$name,"* ]]; then
+        skip "$name" "GPU_CHECK_SKIP"
+        return
+    fi
     if [ $DRY_RUN = 1 ]; then
         printf '%-22s %4ss  %s\n' "$name" "$limit" "$*"
         return
@@ -127,28 +141,43 @@ PYTEST=("$PYTHON" -m pytest -q -p no:cacheprovider)
 #    architectures on the GPU (tests/engine/test_engine_bf16.py runs all four where CUDA is).
 if [ "$HAVE_PYTEST" = 1 ]; then
     stage kernel-tests 100 "${PYTEST[@]}" tests/engine/test_paged_kernel.py --junitxml "$OUT_DIR/kernel-tests.xml"
-    stage gpu-tests 60 "${PYTEST[@]}" -m gpu tests --deselect tests/engine/test_paged_kernel.py \
+    stage gpu-tests 120 "${PYTEST[@]}" tests/engine/test_fullgraph.py tests/engine/test_attention_backends.py \
         --junitxml "$OUT_DIR/gpu-tests.xml"
     stage bf16-equivalence 60 "${PYTEST[@]}" tests/engine/test_engine_bf16.py --junitxml "$OUT_DIR/bf16-equivalence.xml"
 else
     skip tests "pytest is not installed (docs/GPU.md: bring its wheel)"
 fi
 
+# 1b. The synthetic pairs' draft agreement against their `scale` (built in memory, nothing saved).
+stage synthetic-agreement 90 "$PYTHON" scripts/synthetic_agreement.py --shapes 1b,8b --scales "$AGREEMENT_SCALES" \
+    --device cuda --json "$OUT_DIR/synthetic-agreement.json"
+
 # 2. Compile (CUDA graphs through mode="reduce-overhead") on against off, end to end on the 1b synthetic pair in
 #    bf16: outputs compared (near-ties only), decode throughput, compile time (scripts/compile_check.py).
-stage compile-check 100 "$PYTHON" scripts/compile_check.py --synthetic 1b --synthetic-cache "$SYNTHETIC_CACHE" \
-    --device cuda --dtype bfloat16 --batch-sizes 1,8,32 --max-tokens "$MAX_TOKENS" --out "$OUT_DIR/compile-check"
+stage compile-check 200 "$PYTHON" scripts/compile_check.py --synthetic 1b --synthetic-cache "$SYNTHETIC_CACHE" \
+    --device cuda --dtype bfloat16 --batch-sizes 1,8 --max-tokens "$MAX_TOKENS" --out "$OUT_DIR/compile-check"
+
+# 2b. Where a step's time goes and its host syncs (PyTorch profiler), eager and compiled, on the 1b pair.
+stage profile-eager 90 "$PYTHON" scripts/profile_gpu_step.py --synthetic 1b --synthetic-cache "$SYNTHETIC_CACHE" \
+    --configs 1:0,1:2,8:2,32:2 --out "$OUT_DIR/profile-eager"
+stage profile-compiled 200 "$PYTHON" scripts/profile_gpu_step.py --synthetic 1b --synthetic-cache "$SYNTHETIC_CACHE" \
+    --configs 1:0,1:2,8:2 --compile --out "$OUT_DIR/profile-compiled"
+
+# 2c. The 8b pair's speed: the target alone against fixed k, eager and captured (docs/BENCHMARKS.md section 0).
+stage speed-8b 420 "$PYTHON" scripts/profile_gpu_step.py --synthetic 8b --synthetic-cache "$SYNTHETIC_CACHE" \
+    --configs 1:0,1:3,8:3,8:0,32:2,32:0 --modes eager,compiled --no-profile --max-tokens 32 --prompt-len 256 \
+    --out "$OUT_DIR/speed-8b"
 
 # 3. The kernel alone: 8B-shaped (head_dim 128) and 1B-shaped (64) layers, decode and verify, against gather + SDPA.
-stage kernel-bench-8b 30 "$PYTHON" scripts/bench_paged_kernel.py --heads 32 --kv-heads 8 --head-dim 128 \
+stage kernel-bench-8b 60 "$PYTHON" scripts/bench_paged_kernel.py --heads 32 --kv-heads 8 --head-dim 128 \
     --json "$OUT_DIR/kernel-bench-8b.json"
-stage kernel-bench-1b 30 "$PYTHON" scripts/bench_paged_kernel.py --heads 32 --kv-heads 8 --head-dim 64 \
+stage kernel-bench-1b 60 "$PYTHON" scripts/bench_paged_kernel.py --heads 32 --kv-heads 8 --head-dim 64 \
     --json "$OUT_DIR/kernel-bench-1b.json"
 
 # 4. The synthetic tables (needs the CLI's dependencies): per shape one run, B = 1..64, the target alone, fixed k
 #    in 2, 4, 6 (rows exspec-fixed-kK) and exspec's own policy. One timed run per point (--repeats 1) to fit.
 if [ "$HAVE_CLI" = 1 ]; then
-    for shape_limit in 1b:120 8b:180; do
+    for shape_limit in ${SHAPES//,/ }; do
         shape=${shape_limit%%:*}
         stage "bench-$shape" "${shape_limit##*:}" "$PYTHON" -m exspec bench --synthetic "$shape" \
             --synthetic-cache "$SYNTHETIC_CACHE" --dtype bfloat16 --methods target-ar,exspec-fixed,exspec \
@@ -183,6 +212,16 @@ for line in open(sys.argv[1]):
         echo "## $(basename "$log" .log)"
         echo
         grep -E '^(#|\|)' "$log"
+    done
+    for js in "$OUT_DIR"/profile-eager/profile.json "$OUT_DIR"/profile-compiled/profile.json \
+        "$OUT_DIR"/speed-8b/profile.json "$OUT_DIR"/synthetic-agreement.json; do
+        [ -f "$js" ] || continue
+        echo
+        echo "## $(basename "$(dirname "$js")")/$(basename "$js")"
+        echo
+        echo '```json'
+        cat "$js"
+        echo '```'
     done
     for md in "$OUT_DIR"/compile-check/compile_check.md "$OUT_DIR"/bench-*/results.md; do
         [ -f "$md" ] || continue

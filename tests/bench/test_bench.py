@@ -34,15 +34,21 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bench_dir(pair, tmp_path_factory):
+    import contextlib
+    import io
+
     out = tmp_path_factory.mktemp("bench-out")
     target, draft = pair
-    rc = main([
-        "bench", "--model", str(target), "--draft-model", str(draft), "--num-prompts", "3", "--max-tokens", "8",
-        "--batch-sizes", "1,2", "--num-speculative-tokens", "2", "--repeats", "1", "--max-prompt-len", "64",
-        "--no-warmup", "--no-progress", "--output", str(out), "--device", "cpu",
-        "--write-reference", str(out / "ref.jsonl"),
-    ])
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main([
+            "bench", "--model", str(target), "--draft-model", str(draft), "--num-prompts", "3", "--max-tokens", "8",
+            "--batch-sizes", "1,2", "--num-speculative-tokens", "2", "--repeats", "1", "--max-prompt-len", "64",
+            "--no-warmup", "--no-progress", "--output", str(out), "--device", "cpu",
+            "--write-reference", str(out / "ref.jsonl"),
+        ])
     assert rc == 0
+    (out / "stderr.txt").write_text(err.getvalue())
     return out
 
 
@@ -57,6 +63,15 @@ def test_results_json_has_one_row_per_point_with_every_key(rows):
     assert len(rows) == len(POINTS)
     for r in rows:
         assert KEYS <= set(r), r["method"]
+
+
+def test_no_progress_logs_each_timed_run_as_it_ends(bench_dir, rows):
+    """--no-progress: one line per timed run on stderr, as it ends (what a run cut off by a time limit still shows)."""
+    lines = [line for line in (bench_dir / "stderr.txt").read_text().splitlines() if line.startswith("[bench] ")]
+    assert sorted(line.split(":")[0] for line in lines) == sorted(f"[bench] {r['method']} B={r['batch_size']}" for r in rows)
+    for r in rows:
+        (line,) = [x for x in lines if x.startswith(f"[bench] {r['method']} B={r['batch_size']}:")]
+        assert f"{r['generated_tokens']} tokens in " in line
 
 
 def test_numbers_are_consistent(rows):

@@ -43,7 +43,7 @@ def recorded(monkeypatch):
 
     seen = []
 
-    def record(config, progress=True):
+    def record(config, progress=True, log=None):
         seen.append(config)
         raise _Stop
 

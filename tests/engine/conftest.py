@@ -48,6 +48,11 @@ def pytest_generate_tests(metafunc) -> None:
 def attention_backend(request, monkeypatch) -> str:
     name = request.param
     if name == "triton":
+        if torch_cuda_available():
+            # These engines hold CPU tensors: the kernel would need Triton's interpreter, which is read when triton is
+            # first imported, and a CUDA machine imports it compiled (seen failing on an H100, 2026-11-24). There the
+            # kernel runs compiled in test_paged_kernel.py and through the engine in test_engine_bf16.py.
+            pytest.skip("triton on CPU tensors needs the interpreter, which this CUDA machine's triton import did not enable")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(backends, "default_backend", lambda device: name)
     return name

@@ -39,7 +39,7 @@ def test_bf16_divergences_are_only_near_ties(models, arch):
     max_tokens = 20
     results, summary = generate_offline(
         engine, prompts, [SamplingParams(max_tokens=max_tokens)] * len(prompts),
-        SchedulerConfig(max_batch_size=8, pool_size=16, num_speculative_tokens=4),
+        SchedulerConfig(max_batch_size=8, pool_size=16, num_speculative_tokens=4, speculation="fixed"),
     )
     assert summary.mean_acceptance_length > 1.0
     ref_model = pair.target

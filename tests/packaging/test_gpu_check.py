@@ -1,7 +1,7 @@
-"""scripts/gpu_check.sh (issue 20 item 4) cannot run here (no GPU): what can be checked on the CPU is checked. The
-script parses; --dry-run prints every stage the GPU issue needs, with flags the CLI accepts; without CUDA it refuses
-cleanly; and its Python part, scripts/compile_check.py, runs at tiny shapes (compile on against off, identical in
-fp32)."""
+"""scripts/gpu_check.sh (issue 20 item 4; run on an H100 on 2026-11-24) cannot run here (no GPU): what can be checked
+on the CPU is checked. The script parses; --dry-run prints every stage the GPU issue needs, with flags the CLI accepts;
+without CUDA it refuses cleanly; and its Python parts run at tiny shapes: scripts/compile_check.py (compile on against
+off, identical in fp32), scripts/synthetic_agreement.py and scripts/profile_gpu_step.py."""
 
 from __future__ import annotations
 
@@ -18,13 +18,18 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 
-def _compile_check():
+def _script(name: str):
+    import importlib
+
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
-        import compile_check
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(ROOT / "scripts"))
-    return compile_check
+
+
+def _compile_check():
+    return _script("compile_check")
 
 
 def _plan(tmp_path: Path) -> dict[str, list[str]]:
@@ -46,14 +51,15 @@ def test_script_parses():
 
 def test_dry_run_plans_every_stage_the_gpu_issue_needs(tmp_path):
     stages = _plan(tmp_path)
-    assert set(stages) == {"kernel-tests", "gpu-tests", "bf16-equivalence", "compile-check", "kernel-bench-8b",
-                           "kernel-bench-1b", "bench-1b", "bench-8b"}
+    assert set(stages) == {"kernel-tests", "gpu-tests", "bf16-equivalence", "synthetic-agreement", "compile-check",
+                           "profile-eager", "profile-compiled", "speed-8b",
+                           "kernel-bench-8b", "kernel-bench-1b", "bench-1b", "bench-8b"}
     assert "tests/engine/test_engine_bf16.py" in stages["bf16-equivalence"]
     for shape in ("1b", "8b"):
         cmd = stages[f"bench-{shape}"]
         flags = dict(zip(cmd, cmd[1:]))
-        assert flags["--synthetic"] == shape and flags["--batch-sizes"] == "1,2,4,8,16,32,64"
-        assert flags["--fixed-ks"] == "2,4,6" and "target-ar" in flags["--methods"].split(",")
+        assert flags["--synthetic"] == shape and flags["--batch-sizes"] == "1,8"
+        assert flags["--fixed-ks"] == "3" and {"target-ar", "exspec"} <= set(flags["--methods"].split(","))
         assert flags["--output"] == str(tmp_path / "results" / f"bench-{shape}")  # everything into one folder
 
 
@@ -90,3 +96,39 @@ def test_compile_check_smoke_on_the_cpu(tmp_path):
     assert row["batch"] == 2 and row["identical"] == row["prompts"] == 4 and not row["real_divergences"]
     assert row["static_forwards"] >= 2  # the draft's and the verify's forwards ran compiled
     assert "| 2 | 4 | 4 |" in (tmp_path / "cc" / "compile_check.md").read_text()
+
+
+@pytest.mark.models
+def test_synthetic_agreement_reproduces_the_built_pairs_agreement(tmp_path):
+    """The scale sweep measures what ensure_synthetic_pair measures: at the shipped scale, the built pair's agreement;
+    and a smaller scale (later layers closer to nothing) agrees more."""
+    from exspec.bench.synthetic import SHAPES, ensure_synthetic_pair
+
+    shipped = SHAPES["tiny"].scale
+    _, _, info = ensure_synthetic_pair("tiny", tmp_path / "syn", log=lambda *_: None)
+    assert _script("synthetic_agreement").main(["--shapes", "tiny", "--scales", f"{shipped / 10},{shipped}", "--device",
+                                                "cpu", "--json", str(tmp_path / "a.json")]) == 0
+    small, at_shipped = json.loads((tmp_path / "a.json").read_text())
+    assert at_shipped["agreement"] == pytest.approx(info["agreement"], abs=1e-3)
+    assert small["agreement"] > at_shipped["agreement"]
+
+
+@pytest.mark.models
+def test_profile_gpu_step_smoke_on_the_cpu(tmp_path):
+    """scripts/profile_gpu_step.py at tiny shapes: eager and compiled rows, speculation's acceptance above 1 and a
+    draft time where k > 0; the profiled variant writes its trace."""
+    profile = _script("profile_gpu_step")
+    common = ["--synthetic", "tiny", "--synthetic-cache", str(tmp_path / "syn"), "--device", "cpu", "--max-tokens", "6",
+              "--prompt-len", "12"]
+    assert profile.main(common + ["--configs", "1:0,2:2", "--modes", "eager,compiled", "--no-profile", "--repeats", "1",
+                                  "--out", str(tmp_path / "t")]) == 0
+    rows = json.loads((tmp_path / "t" / "profile.json").read_text())
+    assert [(r["mode"], r["B"], r["k"]) for r in rows] == [("eager", 1, 0), ("eager", 2, 2), ("compiled", 1, 0),
+                                                           ("compiled", 2, 2)]
+    for r in rows:
+        assert r["decode_steps"] > 0 and r["decode_tok_s"] > 0
+        assert (r["acceptance"] > 1.0) == (r["k"] > 0) and (r["k"] == 0 or r["draft_ms_per_step"] > 0)
+    assert profile.main(common + ["--configs", "2:2", "--repeats", "1", "--out", str(tmp_path / "p")]) == 0
+    assert (tmp_path / "p" / "trace-B2-k2.json").is_file()
+    (row,) = json.loads((tmp_path / "p" / "profile.json").read_text())
+    assert {"syncs_per_engine_step", "syncs_inside_decode_steps"} <= set(row)

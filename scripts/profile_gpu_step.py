@@ -1,0 +1,167 @@
+"""Where a decode step's time goes on a GPU, and how many host syncs it makes: the synthetic pair through the
+offline API at fixed k, one warm-up run, then one run under the PyTorch profiler. Per configuration it prints
+the wall time per decode step, the draft / verify split the engine measures (CUDA events), the host-sync calls
+per step (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, copies, aten::item: over the whole
+run, and inside decode steps only) and the top operators by self CPU time; it writes a Chrome trace per
+configuration into --out.
+
+    python scripts/profile_gpu_step.py --synthetic 1b --configs 1:0,1:2,8:2 [--compile] --out DIR
+    python scripts/profile_gpu_step.py --synthetic 8b --configs 1:0,1:3 --modes eager,compiled --no-profile --out DIR
+
+Run on an H100 on 2026-11-24 (docs/BENCHMARKS.md section 0); on the CPU it runs at tiny shapes (--synthetic tiny
+--device cpu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from exspec.bench.synthetic import DEFAULT_CACHE, SHAPES, ensure_synthetic_pair
+from exspec.engine import EngineConfig, SamplingParams, SpecEngine
+from exspec.engine.loader import load_model_pair
+from exspec.scheduler import SchedulerConfig, generate_offline
+
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::item",
+               "aten::_local_scalar_dense", "cudaMemcpyAsync", "cudaMemcpy")
+
+
+DECODE_RANGE = "exspec.decode_step"
+
+
+def _decode_syncs(prof) -> dict[str, int]:
+    """SYNC_EVENTS that start inside a decode step's range (prefill steps excluded), by name."""
+    import bisect
+
+    events = prof.events()
+    ranges = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == DECODE_RANGE)
+    starts = [r[0] for r in ranges]
+    counts: dict[str, int] = {}
+    for e in events:
+        if e.name in SYNC_EVENTS:
+            i = bisect.bisect_right(starts, e.time_range.start) - 1
+            if i >= 0 and e.time_range.start <= ranges[i][1]:
+                counts[e.name] = counts.get(e.name, 0) + 1
+    return counts
+
+
+def _configs(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(v) for v in c.split(":")) for c in text.split(",") if c]
+
+
+def _run(engine, prompts, max_tokens, batch, k):
+    config = SchedulerConfig(max_batch_size=batch, pool_size=batch, num_speculative_tokens=k, speculation="fixed")
+    steps = {"n": 0, "draft_s": 0.0, "verify_s": 0.0}
+    inner = engine.step
+
+    def counted(b):
+        with torch.profiler.record_function(DECODE_RANGE):  # a range the profiled run finds its decode steps by
+            out = inner(b)  # decode steps only (a prefill goes through engine.prefill)
+        steps["n"] += 1
+        steps["draft_s"] += out.draft_s
+        steps["verify_s"] += out.verify_s
+        return out
+
+    engine.step = counted
+    try:
+        start = time.perf_counter()
+        params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * len(prompts)
+        _, summary = generate_offline(engine, prompts, params, config)
+        wall = time.perf_counter() - start
+    finally:
+        del engine.step
+    return summary, steps, wall
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--synthetic", choices=sorted(SHAPES), default="1b")
+    p.add_argument("--synthetic-cache", type=Path, default=DEFAULT_CACHE)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 elsewhere")
+    p.add_argument("--configs", type=_configs, default=[(1, 0), (1, 2), (8, 2)], help="B:k,B:k,...")
+    p.add_argument("--attention", default="auto")
+    p.add_argument("--compile", action="store_true", help="the same as --modes compiled")
+    p.add_argument("--modes", default=None, help="eager,compiled: each config in each (default: eager)")
+    p.add_argument("--no-profile", action="store_true", help="time only (no profiled run)")
+    p.add_argument("--random-prompts", action="store_true", help="random token prompts (default: SpecBench questions)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per config: the median is reported")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--out", type=Path, default=Path("profile-gpu-step"))
+    args = p.parse_args(argv)
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    target_dir, draft_dir, _ = ensure_synthetic_pair(args.synthetic, args.synthetic_cache, device=args.device)
+    batches = [b for b, _ in args.configs]
+    fields = dict(model=target_dir, draft_model=draft_dir, device=args.device, dtype=dtype, max_num_seqs=max(batches),
+                  max_model_len=args.prompt_len + args.max_tokens + 16, attention=args.attention)
+    modes = (args.modes or ("compiled" if args.compile else "eager")).split(",")
+    pair = load_model_pair(EngineConfig(**fields))
+    rng = random.Random(0)
+    if not args.random_prompts:
+        from exspec.data import encode_prompts, load_questions
+
+        texts = encode_prompts(pair.tokenizer, load_questions("specbench", max(batches)), chat_template=False)
+        pool = [t[: args.prompt_len] for t in texts]
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for mode, (batch, k) in [(m, c) for m in modes for c in args.configs]:
+        engine = SpecEngine(EngineConfig(**{**fields, "compile": mode == "compiled"}), pair=pair)
+        if args.random_prompts:
+            prompts = [[rng.randrange(4, pair.vocab_size) for _ in range(args.prompt_len)] for _ in range(batch)]
+        else:
+            prompts = pool[:batch]
+        start = time.perf_counter()
+        _run(engine, prompts, args.max_tokens, batch, k)  # warm-up (compiles, captures, Triton JIT)
+        warmup_s = time.perf_counter() - start
+        timed = sorted((_run(engine, prompts, args.max_tokens, batch, k) for _ in range(args.repeats)),
+                       key=lambda r: r[0].decode_seconds)
+        row = {"mode": mode, "B": batch, "k": k, "warmup_s": round(warmup_s, 1),
+               **_timings(*timed[len(timed) // 2])}  # the median run by decode time
+        events = None
+        if not args.no_profile:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if args.device.startswith("cuda"):
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            with torch.profiler.profile(activities=activities) as prof:
+                _, psteps, _ = _run(engine, prompts, args.max_tokens, batch, k)
+            suffix = "-compiled" if mode == "compiled" else ""
+            prof.export_chrome_trace(str(args.out / f"trace-B{batch}-k{k}{suffix}.json"))
+            events = prof.key_averages()
+            per_step = max(psteps["n"], 1)
+            whole = {e.key: e.count for e in events if e.key in SYNC_EVENTS}
+            row["syncs_per_engine_step"] = {key: round(n / per_step, 2) for key, n in sorted(whole.items())}
+            inside = _decode_syncs(prof)
+            row["syncs_inside_decode_steps"] = {key: round(n / per_step, 2) for key, n in sorted(inside.items())}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        (args.out / "profile.json").write_text(json.dumps(rows, indent=1) + "\n")
+        if events is not None:
+            print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60), flush=True)
+    return 0
+
+
+def _timings(summary, steps: dict, wall: float) -> dict:
+    """A run's figures: per decode step (wall, forwards, the engine's draft and verify parts), tokens per row-step,
+    decode and whole-run tokens/s."""
+    n = max(summary.steps["grouped"] + summary.steps["mixed"], 1)
+    decode_s = summary.decode_seconds
+    return {
+        "decode_steps": n,
+        "decode_ms_per_step": round(1e3 * decode_s / n, 3),
+        "forward_ms_per_step": round(1e3 * summary.forward_seconds / n, 3),
+        **{f"{part}_ms_per_step": round(1e3 * steps[f"{part}_s"] / max(steps["n"], 1), 3)
+           for part in ("draft", "verify")},
+        "acceptance": round(summary.mean_acceptance_length, 3),
+        "decode_tok_s": round(summary.num_decode_tokens / decode_s, 1) if decode_s else None,
+        "wall_tok_s": round(summary.num_generated_tokens / wall, 1),
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
