@@ -50,7 +50,8 @@ a choice from the last one ~0.01 ms).
 
 Exploration, only where the models are uncertain: an optimistic goodput G+(k) (acceptance at its upper
 bound, `z` standard errors; cost at its lower bound: sampling spread over sqrt(n), wider for predicted and
-stale costs) names a k whose measurement could change the decision (G+(k) > (1 + margin) * G(k*); in a calibrated
+stale costs) names a k whose measurement could change the decision (G+(k) > (1 + margin) * G(k*), and
+G+(k) > (1 + draft_margin) * G(0) while k* = 0: what it takes to be chosen; in a calibrated
 bucket only a k above k*, whose acceptance at the positions k* leaves undrafted is uncertain, at its cost). It is
 measured in a burst of `min_samples` steps (old samples dropped if stale) when the bucket's exploring
 seconds, catch-up included, are within `budget` of its decode seconds plus `free_steps` steps of k = 0 (at
@@ -324,7 +325,9 @@ class AutoPolicy(SpeculationPolicy):
         held = st.best
         if held in goodput and best != 0 and held != 0 and goodput[best] < (1 + self.margin) * goodput[held]:
             best = held  # hysteresis among k > 0: a near-tie does not switch
-        bar = (1 + self.margin) * goodput[best]
+        # to be chosen a k > 0 must beat k = 0 by the draft margin, and another k > 0 by the margin: exploring one
+        # whose optimistic goodput cannot clear that bar cannot change the decision
+        bar = (1 + (self.draft_margin if best == 0 else self.margin)) * goodput[best]
         # calibrated: only a k above k* drafts positions k* leaves unmeasured
         worth = [k for k in self.candidates if k != best and optimistic[k] > bar and (k > best or not st.ratios)]
         explore = max(worth, key=lambda k: (optimistic[k], -k)) if worth else None
