@@ -2,8 +2,9 @@
 offline API at fixed k, one warm-up run, then one run under the PyTorch profiler. Per configuration it prints
 the wall time per decode step, the draft / verify split the engine measures (CUDA events), the host-sync calls
 per step (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, copies, aten::item: over the whole
-run, and inside decode steps only) and the top operators by self CPU time; it writes a Chrome trace per
-configuration into --out.
+run, and inside decode steps only), where each sync inside a decode step comes from (`sync_sources`: the Python
+frames of the operator that made it, innermost first, the first one in exspec's code and the innermost outside
+it) and the top operators by self CPU time; it writes a Chrome trace per configuration into --out.
 
     python scripts/profile_gpu_step.py --synthetic 1b --configs 1:0,1:2,8:2 [--compile] --out DIR
     python scripts/profile_gpu_step.py --synthetic 8b --configs 1:0,1:3 --modes eager,compiled --no-profile --out DIR
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import time
 from pathlib import Path
 
@@ -34,20 +36,49 @@ SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynch
 DECODE_RANGE = "exspec.decode_step"
 
 
-def _decode_syncs(prof) -> dict[str, int]:
-    """SYNC_EVENTS that start inside a decode step's range (prefill steps excluded), by name."""
+CHECKOUT = str(Path(__file__).resolve().parents[1])
+FRAME = re.compile(r"^(.+)\((\d+)\): (.+)$")  # a Python frame event of a profile taken with_stack=True
+
+
+def _source(frames: list[str]) -> str:
+    """A sync's origin from the Python frames around it (innermost first): the innermost frame in exspec's code
+    (this checkout or an installed `exspec`), and the innermost frame outside it when that is deeper."""
+    ours = [f for f in frames if f.startswith(CHECKOUT) or "exspec/" in f]
+    if not ours:
+        return frames[0] if frames else "(no Python frame)"
+    own = ours[0].replace(CHECKOUT + "/", "")
+    return own if frames[0] == ours[0] else f"{own} <- {frames[0]}"
+
+
+def _decode_syncs(prof) -> tuple[dict[str, int], dict[str, int]]:
+    """SYNC_EVENTS that start inside a decode step's range (prefill steps excluded): counts by name, and by
+    name and source (`_source` of the Python frame events that hold it: a profile taken with_stack=True records
+    each Python call as an event; operators and CUDA runtime calls carry no stack of their own)."""
     import bisect
 
     events = prof.events()
     ranges = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == DECODE_RANGE)
     starts = [r[0] for r in ranges]
+    frames = sorted((e for e in events if FRAME.match(e.name)), key=lambda e: e.time_range.start)
+    frame_starts = [e.time_range.start for e in frames]
     counts: dict[str, int] = {}
+    sources: dict[str, int] = {}
     for e in events:
-        if e.name in SYNC_EVENTS:
-            i = bisect.bisect_right(starts, e.time_range.start) - 1
-            if i >= 0 and e.time_range.start <= ranges[i][1]:
-                counts[e.name] = counts.get(e.name, 0) + 1
-    return counts
+        if e.name not in SYNC_EVENTS:
+            continue
+        t = e.time_range.start
+        i = bisect.bisect_right(starts, t) - 1
+        if i < 0 or t > ranges[i][1]:
+            continue
+        counts[e.name] = counts.get(e.name, 0) + 1
+        held, j = [], bisect.bisect_right(frame_starts, t) - 1
+        while j >= 0 and frame_starts[j] >= ranges[i][0]:  # the frames that hold t, innermost (latest) first
+            if frames[j].time_range.end >= t:
+                held.append(frames[j].name)
+            j -= 1
+        key = f"{e.name}: {_source(held)}"
+        sources[key] = sources.get(key, 0) + 1
+    return counts, sources
 
 
 def _configs(text: str) -> list[tuple[int, int]]:
@@ -128,7 +159,7 @@ def main(argv=None) -> int:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if args.device.startswith("cuda"):
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            with torch.profiler.profile(activities=activities) as prof:
+            with torch.profiler.profile(activities=activities, with_stack=True) as prof:
                 _, psteps, _ = _run(engine, prompts, args.max_tokens, batch, k)
             suffix = "-compiled" if mode == "compiled" else ""
             prof.export_chrome_trace(str(args.out / f"trace-B{batch}-k{k}{suffix}.json"))
@@ -136,8 +167,9 @@ def main(argv=None) -> int:
             per_step = max(psteps["n"], 1)
             whole = {e.key: e.count for e in events if e.key in SYNC_EVENTS}
             row["syncs_per_engine_step"] = {key: round(n / per_step, 2) for key, n in sorted(whole.items())}
-            inside = _decode_syncs(prof)
+            inside, sources = _decode_syncs(prof)
             row["syncs_inside_decode_steps"] = {key: round(n / per_step, 2) for key, n in sorted(inside.items())}
+            row["sync_sources"] = dict(sorted(sources.items(), key=lambda kv: -kv[1]))  # counts over the run
         rows.append(row)
         print(json.dumps(row), flush=True)
         (args.out / "profile.json").write_text(json.dumps(rows, indent=1) + "\n")

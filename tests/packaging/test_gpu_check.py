@@ -114,10 +114,12 @@ def test_synthetic_agreement_reproduces_the_built_pairs_agreement(tmp_path):
 
 
 @pytest.mark.models
-def test_profile_gpu_step_smoke_on_the_cpu(tmp_path):
+def test_profile_gpu_step_smoke_on_the_cpu(tmp_path, monkeypatch):
     """scripts/profile_gpu_step.py at tiny shapes: eager and compiled rows, speculation's acceptance above 1 and a
-    draft time where k > 0; the profiled variant writes its trace."""
+    draft time where k > 0; the profiled variant writes its trace and names where each sync of a decode step comes
+    from (the CPU makes no CUDA sync: `aten::cat`, which the step's commit calls once, stands in for one)."""
     profile = _script("profile_gpu_step")
+    monkeypatch.setattr(profile, "SYNC_EVENTS", (*profile.SYNC_EVENTS, "aten::cat"))
     common = ["--synthetic", "tiny", "--synthetic-cache", str(tmp_path / "syn"), "--device", "cpu", "--max-tokens", "6",
               "--prompt-len", "12"]
     assert profile.main(common + ["--configs", "1:0,2:2", "--modes", "eager,compiled", "--no-profile", "--repeats", "1",
@@ -131,4 +133,8 @@ def test_profile_gpu_step_smoke_on_the_cpu(tmp_path):
     assert profile.main(common + ["--configs", "2:2", "--repeats", "1", "--out", str(tmp_path / "p")]) == 0
     assert (tmp_path / "p" / "trace-B2-k2.json").is_file()
     (row,) = json.loads((tmp_path / "p" / "profile.json").read_text())
-    assert {"syncs_per_engine_step", "syncs_inside_decode_steps"} <= set(row)
+    assert {"syncs_per_engine_step", "syncs_inside_decode_steps", "sync_sources"} <= set(row)
+    commits = sum(n for key, n in row["sync_sources"].items()
+                  if key.startswith("aten::cat: ") and "engine/engine.py(" in (own := key.split(" <- ")[0])
+                  and own.endswith(": _commit"))
+    assert commits == row["decode_steps"]  # one torch.cat in each decode step's commit, found by its frame
