@@ -36,6 +36,12 @@ KV_MEMORY_DEFAULT = {"cuda": 0.9, "cpu": 0.25}
 # The attention backend "auto" picks per device type (falling back to "reference" where it cannot run).
 ATTENTION_DEFAULT = {"cuda": "triton", "cpu": "sdpa"}
 GEMM_MODES = ("auto", "packed", "default")  # EngineConfig.gemm (engine/packed_linear.py)
+# EngineConfig.compile_mode, how `compile` makes the static forwards fast (engine/static_forward.py): "inductor"
+# compiles them (torch.compile: the CPU's capturability proof; CUDA graphs through mode "reduce-overhead" on CUDA, run
+# on an H100); "cudagraph" records the eager forward into a torch.cuda.CUDAGraph (CUDA only, no compiler, as vLLM
+# captures its decode graphs: meant to take under a second a graph instead of 30-70 s). "cudagraph" HAS NOT YET RUN
+# ON A GPU.
+COMPILE_MODES = ("inductor", "cudagraph")
 # Model config keys that declare a model's position limit, in the order they are looked for.
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
@@ -80,6 +86,7 @@ class EngineConfig:
     # faster decode step (one H100, docs/BENCHMARKS.md section 0) but each (bucket, Q) compiles for 30-70 s at its
     # first use, which a server does not yet do before serving.
     compile: bool = False
+    compile_mode: str = "inductor"  # one of COMPILE_MODES: how `compile` makes them fast
 
     def __post_init__(self) -> None:
         import torch
@@ -111,6 +118,10 @@ class EngineConfig:
             raise ConfigError(f"attn_implementation must be 'sdpa' or 'eager', got {self.attn_implementation!r}")
         if self.compile and self.attn_implementation == "eager":
             raise ConfigError("compile needs attn_implementation 'sdpa' (exspec's attention), not 'eager'")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ConfigError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
+        if self.compile_mode == "cudagraph" and not self.device.startswith("cuda"):
+            raise ConfigError(f"compile_mode 'cudagraph' needs a CUDA device, not {self.device!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

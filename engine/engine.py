@@ -121,6 +121,7 @@ class SpecEngine:
         self._seed_rng = random.Random(seed)
         self._clock = _Clock(dev)
         self._static: dict[tuple[bool, int, int], StaticForward] = {}  # (draft?, bucket, Q): config.compile only
+        self._graph_pool = None  # compile_mode "cudagraph": the memory pool the captured graphs share
         self._warm_up()
 
     # ------------------------------------------------------------------ admission
@@ -475,7 +476,12 @@ class SpecEngine:
         static = self._static.get(key)
         if static is None:
             static = self._static[key] = StaticForward(runner, key[1], key[2])
-            static.compile()
+            if self.config.compile_mode == "cudagraph":  # one memory pool for all of the engine's graphs
+                if self._graph_pool is None:
+                    self._graph_pool = torch.cuda.graph_pool_handle()
+                static.capture(self._graph_pool)
+            else:
+                static.compile()
         return static.run(tokens, starts, slots)
 
     def _verify(self, plan: StepPlan, draft: Draft | None) -> torch.Tensor:

@@ -133,6 +133,8 @@ class StaticForward:
         )
         self.call = AttentionCall(runner.pools, self.meta, self.backend, self.backend.plan(self.meta))
         self.compiled: Callable[[], torch.Tensor] | None = None
+        self.graph = None  # torch.cuda.CUDAGraph after `capture`
+        self.output: torch.Tensor | None = None  # [bucket, Q, vocab]: the captured graph's logits, rewritten by a replay
 
     def compile(self, **options) -> None:
         """Replace `forward` in `run` by `torch.compile(self.forward, fullgraph=True, dynamic=False, **options)`;
@@ -143,6 +145,27 @@ class StaticForward:
             self.mark_static()
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.compiled = torch.compile(self.forward, fullgraph=True, dynamic=False, **options)
+
+    @torch.inference_mode()
+    def capture(self, pool=None) -> None:
+        """CUDA only: record `forward` into a torch.cuda.CUDAGraph that `run` replays (no compiler: the forward is
+        static-shape and makes no host sync). Two warm-up forwards on a side stream first (Triton's JIT, cuBLAS
+        workspaces); `pool` (torch.cuda.graph_pool_handle()) lets the engine's graphs share one memory pool. The
+        warm-up and the capture read the buffers as built (null block tables): their K/V writes land in the null
+        block. NOT YET RUN ON A GPU: the GPU script's compile-check stage runs it (scripts/gpu_check.sh)."""
+        dev = self.runner.device
+        if dev.type != "cuda":
+            raise ValueError(f"capturing a CUDA graph needs a CUDA device, not {dev.type}")
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.forward()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.output = self.forward()  # [bucket, Q, vocab]
+        self.graph = graph
 
     def static_tensors(self) -> list[torch.Tensor]:
         """Every tensor the forward reads from or writes into in place: the model's pools and this forward's buffers."""
@@ -203,9 +226,12 @@ class StaticForward:
 
     @torch.inference_mode()
     def run(self, tokens: torch.Tensor, starts: list[int], slots: list[int]) -> torch.Tensor:  # [B, Q, vocab]
-        """`ModelRunner.extend(tokens, starts, slots)` at static shapes: load, forward (compiled if `compile` was
-        called), the first B rows of the logits."""
+        """`ModelRunner.extend(tokens, starts, slots)` at static shapes: load, forward (the captured graph after
+        `capture`, compiled after `compile`), the first B rows of the logits."""
         self.load(tokens, starts, slots)
+        if self.graph is not None:
+            self.graph.replay()
+            return self.output[: tokens.shape[0]].clone()  # the next replay overwrites the graph's output
         if self.compiled is not None and self.runner.device.type == "cuda":
             # CUDA graphs: each call is a new step, and a replay overwrites the graph's output, so the rows wanted
             # are copied out

@@ -5,7 +5,8 @@ throughput of both, the first (compiling) run timed apart. Writes compile_check.
     python scripts/compile_check.py --synthetic 1b --device cuda --dtype bfloat16 --batch-sizes 1,8,32 --out DIR
     python scripts/compile_check.py --synthetic tiny --batch-sizes 1,2 --max-tokens 8    (a CPU smoke: seconds)
 
-On the CPU compile on is a capturability proof (`aot_eager`), not a speed-up. On CUDA it compiles the static draft
+`--compile-mode cudagraph` (CUDA only, NOT YET RUN ON A GPU) records the eager forwards into CUDA graphs
+directly instead of compiling them. On the CPU compile on is a capturability proof (`aot_eager`), not a speed-up. On CUDA it compiles the static draft
 and verify forwards with mode="reduce-overhead" (CUDA graphs); scripts/gpu_check.sh runs it (on an H100, 2026-11-24:
 B = 1 identical but for a near-tie, 6.0x, 30.6 s to compile). In fp32 the outputs must be identical; in bf16 a padded bucket
 changes GEMM shapes, so outputs may differ at near-ties only: a divergence whose reference top-2 logit gap is above
@@ -26,6 +27,7 @@ import torch
 from exspec.bench.equivalence import NEAR_TIE_EPS, first_divergence
 from exspec.bench.synthetic import DEFAULT_CACHE, SHAPES, ensure_synthetic_pair
 from exspec.engine import EngineConfig, SamplingParams, SpecEngine
+from exspec.engine.config import COMPILE_MODES
 from exspec.engine.loader import load_model_pair
 from exspec.scheduler import SchedulerConfig, generate_offline
 
@@ -64,6 +66,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     p.add_argument("--prompts-per-batch", type=int, default=2, help="prompts = this x B (default: 2)")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--compile-mode", choices=COMPILE_MODES, default=COMPILE_MODES[0],
+                   help="how compile on makes the forwards fast (EngineConfig.compile_mode; cudagraph: CUDA only)")
     p.add_argument("--out", type=Path, default=Path("compile-check"))
     return p
 
@@ -84,7 +88,8 @@ def main(argv=None) -> int:
         prompts = [[rng.randrange(4, vocab) for _ in range(rng.randint(8, 200))] for _ in range(args.prompts_per_batch * batch)]
         out = {}
         for compile_on in (False, True):
-            engine = SpecEngine(EngineConfig(**fields, compile=compile_on), pair=pair)
+            mode = dict(compile=True, compile_mode=args.compile_mode) if compile_on else {}
+            engine = SpecEngine(EngineConfig(**fields, **mode), pair=pair)
             first_tokens, _, first_s = _run(engine, prompts, args.max_tokens, batch, args.num_speculative_tokens)
             tokens, summary, wall = _run(engine, prompts, args.max_tokens, batch, args.num_speculative_tokens)
             assert tokens == first_tokens, "the same engine gave two outputs for the same prompts"

@@ -142,6 +142,7 @@ PYTEST=("$PYTHON" -m pytest -q -p no:cacheprovider)
 if [ "$HAVE_PYTEST" = 1 ]; then
     stage kernel-tests 100 "${PYTEST[@]}" tests/engine/test_paged_kernel.py --junitxml "$OUT_DIR/kernel-tests.xml"
     stage gpu-tests 120 "${PYTEST[@]}" tests/engine/test_fullgraph.py tests/engine/test_attention_backends.py \
+        tests/engine/test_cuda_graphs.py \
         --junitxml "$OUT_DIR/gpu-tests.xml"
     stage bf16-equivalence 60 "${PYTEST[@]}" tests/engine/test_engine_bf16.py --junitxml "$OUT_DIR/bf16-equivalence.xml"
 else
@@ -156,6 +157,11 @@ stage synthetic-agreement 90 "$PYTHON" scripts/synthetic_agreement.py --shapes 1
 #    bf16: outputs compared (near-ties only), decode throughput, compile time (scripts/compile_check.py).
 stage compile-check 200 "$PYTHON" scripts/compile_check.py --synthetic 1b --synthetic-cache "$SYNTHETIC_CACHE" \
     --device cuda --dtype bfloat16 --batch-sizes 1,8 --max-tokens "$MAX_TOKENS" --out "$OUT_DIR/compile-check"
+# 2a. The same with the forwards recorded into CUDA graphs directly (no compiler; compile_mode "cudagraph", not yet
+#     run on a GPU): outputs against eager, capture time (the first run) against the stage above's compile time.
+stage compile-check-cudagraph 120 "$PYTHON" scripts/compile_check.py --synthetic 1b \
+    --synthetic-cache "$SYNTHETIC_CACHE" --device cuda --dtype bfloat16 --batch-sizes 1,8 --max-tokens "$MAX_TOKENS" \
+    --compile-mode cudagraph --out "$OUT_DIR/compile-check-cudagraph"
 
 # 2b. Where a step's time goes and its host syncs (PyTorch profiler), eager and compiled, on the 1b pair.
 stage profile-eager 90 "$PYTHON" scripts/profile_gpu_step.py --synthetic 1b --synthetic-cache "$SYNTHETIC_CACHE" \
@@ -223,7 +229,8 @@ for line in open(sys.argv[1]):
         cat "$js"
         echo '```'
     done
-    for md in "$OUT_DIR"/compile-check/compile_check.md "$OUT_DIR"/bench-*/results.md; do
+    for md in "$OUT_DIR"/compile-check/compile_check.md "$OUT_DIR"/compile-check-cudagraph/compile_check.md \
+        "$OUT_DIR"/bench-*/results.md; do
         [ -f "$md" ] || continue
         echo
         echo "## $(basename "$(dirname "$md")")"

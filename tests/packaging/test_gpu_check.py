@@ -52,9 +52,10 @@ def test_script_parses():
 def test_dry_run_plans_every_stage_the_gpu_issue_needs(tmp_path):
     stages = _plan(tmp_path)
     assert set(stages) == {"kernel-tests", "gpu-tests", "bf16-equivalence", "synthetic-agreement", "compile-check",
-                           "profile-eager", "profile-compiled", "speed-8b",
+                           "compile-check-cudagraph", "profile-eager", "profile-compiled", "speed-8b",
                            "kernel-bench-8b", "kernel-bench-1b", "bench-1b", "bench-8b"}
     assert "tests/engine/test_engine_bf16.py" in stages["bf16-equivalence"]
+    assert "tests/engine/test_cuda_graphs.py" in stages["gpu-tests"]
     for shape in ("1b", "8b"):
         cmd = stages[f"bench-{shape}"]
         flags = dict(zip(cmd, cmd[1:]))
@@ -76,6 +77,10 @@ def test_planned_commands_parse(tmp_path):
     assert cmd[1] == "scripts/compile_check.py"
     args = _compile_check().parser().parse_args(cmd[2:])
     assert args.device == "cuda" and args.dtype == "bfloat16" and args.synthetic == "1b"
+    assert args.compile_mode == "inductor"
+    cmd = stages["compile-check-cudagraph"]
+    args = _compile_check().parser().parse_args(cmd[2:])
+    assert args.device == "cuda" and args.compile_mode == "cudagraph"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the check itself")
