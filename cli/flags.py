@@ -43,6 +43,9 @@ FLAGS = {
     "compile": (None, "--compile: the draft's forwards and the verify run compiled at static shapes "
                       "(torch.compile fullgraph; CUDA graphs on CUDA: 2x to 7.6x faster decode steps on an H100, "
                       "30-70 s to compile each batch bucket and width at first use); default --no-compile"),
+    "compile_mode": ("MODE", "inductor | cudagraph: how --compile does it (default inductor: torch.compile, CUDA "
+                             "graphs through it on CUDA; cudagraph: CUDA only, the forwards recorded into CUDA graphs "
+                             "with no compiler, NOT YET RUN ON A GPU)"),
     "calibrate": (None, "--calibrate: before serving (bench: before the exspec method's warm-up), a few seconds of "
                         "steps at each batch size and k measure what the speculation policy would otherwise explore "
                         "under live traffic (default); --no-calibrate: it starts unmeasured"),
@@ -74,7 +77,7 @@ FLAGS = {
 ENGINE_FIELDS = (
     "model", "draft_model", "demo", "device", "dtype", "max_model_len", "num_speculative_tokens", "speculation",
     "max_batch_size", "pool_size", "attention_backend", "kv_cache_memory", "gemm",
-    "compile",
+    "compile", "compile_mode",
 )
 
 

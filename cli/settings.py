@@ -20,7 +20,9 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator, mo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from exspec.demo.recipe import DEFAULT_DEMO, DEMO_PAIRS
-from exspec.engine.config import DEFAULT_MAX_MODEL_LEN, GEMM_MODES, MAX_SPECULATIVE_TOKENS, position_limit_of
+from exspec.engine.config import (
+    COMPILE_MODES, DEFAULT_MAX_MODEL_LEN, GEMM_MODES, MAX_SPECULATIVE_TOKENS, position_limit_of,
+)
 from exspec.engine.config import DTYPES as ENGINE_DTYPES
 from exspec.scheduler.types import SchedulerConfig, default_pool_size
 from exspec.server.config import INT64_MAX, ServerConfig
@@ -58,6 +60,7 @@ class Settings(BaseSettings):
     gemm: str = "auto"  # auto | packed | default: oneDNN-prepacked linears for multi-row CPU forwards
     # draft and verify forwards compiled at static shapes (engine/static_forward.py); off everywhere until measured
     compile: bool = False
+    compile_mode: str = "inductor"  # how --compile does it: one of engine/config.py COMPILE_MODES
     # the scheduler
     speculation: str = DEFAULT_SPECULATION
     calibrate: bool = True  # serve: the policy's calibration steps before serving (SchedulerCore.calibrate)
@@ -88,7 +91,8 @@ class Settings(BaseSettings):
         parse_kv_cache_memory(value)
         return value
 
-    @field_validator("device", "dtype", "attention_backend", "gemm", "speculation", "log_level", "demo")
+    @field_validator("device", "dtype", "attention_backend", "gemm", "compile_mode", "speculation", "log_level",
+                     "demo")
     @classmethod
     def _one_of(cls, value: str, info: ValidationInfo) -> str:
         """A named choice; the error names the flag and its variable (load_settings), and the choices."""
@@ -101,8 +105,8 @@ class Settings(BaseSettings):
                 raise ValueError(f"attention_backend must be auto or one of {', '.join(attention_backends())}, "
                                  f"got {value!r}")
         else:
-            choices = {"dtype": DTYPES, "gemm": GEMM_MODES, "speculation": SPECULATION_MODES, "demo": DEMO_PAIRS,
-                       "log_level": LOG_LEVELS}[field]
+            choices = {"dtype": DTYPES, "gemm": GEMM_MODES, "compile_mode": COMPILE_MODES,
+                       "speculation": SPECULATION_MODES, "demo": DEMO_PAIRS, "log_level": LOG_LEVELS}[field]
             if (value.lower() if field == "log_level" else value) not in choices:
                 raise ValueError(f"{field} must be one of {', '.join(choices)}, got {value!r}")
         return value
@@ -249,6 +253,7 @@ def resolve(
         attention=settings.attention_backend,
         gemm=settings.gemm,
         compile=settings.compile,
+        compile_mode=settings.compile_mode,
         kv_cache_memory=settings.resolved_kv_cache_memory,
     )
     scheduler = SchedulerConfig(
