@@ -98,7 +98,7 @@ def test_compile_mode_is_a_named_choice_carried_to_the_engine(tmp_path):
     target = _model(tmp_path / "t", max_position_embeddings=1024)
     cfg = resolve(Settings(compile=True), target, None)
     assert (cfg.engine.compile, cfg.engine.compile_mode) == (True, "inductor")
-    with pytest.raises(ConfigError, match="--compile-mode / EXSPEC_COMPILE_MODE: compile_mode must be one of inductor, cudagraph"):
+    with pytest.raises(ConfigError, match="--compile-mode / EXSPEC_COMPILE_MODE: compile_mode must be one of"):
         load_settings({"compile_mode": "graphs"})
     with pytest.raises(ConfigError, match="compile_mode 'cudagraph' needs a CUDA device"):  # CPU only here
         resolve(load_settings({"compile": True, "compile_mode": "cudagraph", "device": "cpu"}), target, None)
