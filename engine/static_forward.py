@@ -152,7 +152,7 @@ class StaticForward:
         static-shape and makes no host sync). Two warm-up forwards on a side stream first (Triton's JIT, cuBLAS
         workspaces); `pool` (torch.cuda.graph_pool_handle()) lets the engine's graphs share one memory pool. The
         warm-up and the capture read the buffers as built (null block tables): their K/V writes land in the null
-        block. NOT YET RUN ON A GPU: the GPU script's compile-check stage runs it (scripts/gpu_check.sh)."""
+        block. NOT YET RUN ON A GPU: scripts/gpu_check.sh runs it (gpu-tests, compile-check-cudagraph)."""
         dev = self.runner.device
         if dev.type != "cuda":
             raise ValueError(f"capturing a CUDA graph needs a CUDA device, not {dev.type}")
