@@ -121,7 +121,9 @@ class SpecEngine:
         self._seed_rng = random.Random(seed)
         self._clock = _Clock(dev)
         self._static: dict[tuple[bool, int, int], StaticForward] = {}  # (draft?, bucket, Q): config.compile only
-        self._graph_pool = None  # compile_mode "cudagraph": the memory pool the captured graphs share
+        # compile_mode "cudagraph": the memory pool the captured graphs share
+        cudagraph = config.compile and config.compile_mode == "cudagraph"
+        self._graph_pool = torch.cuda.graph_pool_handle() if cudagraph else None
         self._warm_up()
 
     # ------------------------------------------------------------------ admission
@@ -476,9 +478,7 @@ class SpecEngine:
         static = self._static.get(key)
         if static is None:
             static = self._static[key] = StaticForward(runner, key[1], key[2])
-            if self.config.compile_mode == "cudagraph":  # one memory pool for all of the engine's graphs
-                if self._graph_pool is None:
-                    self._graph_pool = torch.cuda.graph_pool_handle()
+            if self._graph_pool is not None:  # compile_mode "cudagraph"
                 static.capture(self._graph_pool)
             else:
                 static.compile()

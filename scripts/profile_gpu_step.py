@@ -2,9 +2,9 @@
 offline API at fixed k, one warm-up run, then one run under the PyTorch profiler. Per configuration it prints
 the wall time per decode step, the draft / verify split the engine measures (CUDA events), the host-sync calls
 per step (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, copies, aten::item: over the whole
-run, and inside decode steps only), where each sync inside a decode step comes from (`sync_sources`: the Python
-frames of the operator that made it, innermost first, the first one in exspec's code and the innermost outside
-it) and the top operators by self CPU time; it writes a Chrome trace per configuration into --out.
+run, and inside decode steps only), where each sync inside a decode step comes from (`sync_sources`: of the
+Python frames around it, the innermost in exspec's code and the innermost of all) and the top operators by self
+CPU time; it writes a Chrome trace per configuration into --out.
 
     python scripts/profile_gpu_step.py --synthetic 1b --configs 1:0,1:2,8:2 [--compile] --out DIR
     python scripts/profile_gpu_step.py --synthetic 8b --configs 1:0,1:3 --modes eager,compiled --no-profile --out DIR
@@ -185,6 +185,7 @@ def _timings(summary, steps: dict, wall: float) -> dict:
     decode_s = summary.decode_seconds
     return {
         "decode_steps": n,
+        "prefill_steps": summary.steps["prefill"],  # each makes one host sync too
         "decode_ms_per_step": round(1e3 * decode_s / n, 3),
         "forward_ms_per_step": round(1e3 * summary.forward_seconds / n, 3),
         **{f"{part}_ms_per_step": round(1e3 * steps[f"{part}_s"] / max(steps["n"], 1), 3)
