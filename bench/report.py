@@ -119,13 +119,15 @@ def policy_lines(rows: list[dict]) -> list[str]:
         for bucket, s in (r.get("policy") or {}).items():
             steps = ", ".join(f"k = {k}: {n}" for k, n in s["steps_by_k"].items())
             o = s.get("draft_prefill_ms_per_token")
-            lines.append(f"| {r['batch_size']} | {bucket} | {steps} | {s['explore_steps']} "
+            explore = f"{s['explore_steps']} ({s.get('recheck_steps', 0)})"
+            lines.append(f"| {r['batch_size']} | {bucket} | {steps} | {explore} "
                          f"| {s['explore_fraction']:.1%} | {s['best_k']} | {'–' if o is None else f'{o:.2f}'} |")
     if not lines:
         return []
     return ["", "The default policy's steps (warm-up and timed runs together; o: its estimate of the draft's prefill "
             "seconds per generated token, charged to every k > 0):", "",
-            "| B | bucket | steps per k | exploring steps | exploring share of decode seconds | k* now | o (ms) |",
+            "| B | bucket | steps per k | exploring steps (of which re-checks) | exploring share of decode seconds "
+            "| k* now | o (ms) |",
             "| ---: | ---: | --- | ---: | ---: | ---: | ---: |", *lines]
 
 

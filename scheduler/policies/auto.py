@@ -27,7 +27,14 @@ with only k = 0 measured, c(0) * (1 + `prior_slope` * k). A calibrated bucket (`
 costs c(k) / c(0) from the calibration, where each k ran in a block on the same prompts: live, the ks are measured at
 different times on different contexts, and comparing them reads the contexts' growth as a change of k's cost. Its
 live steps give the level c(0), and its relative costs move only by paired evidence: a k > 0 and a k = 0 measured
-within `pair_steps` steps of each other (an exploration's burst beside the steps it left).
+within `pair_steps` steps of each other (an exploration's or a re-check's burst beside the steps it left; their
+median less its standard error, `_pair_scale`). A calibration is a few steps of each k: a slow spell during them skews
+it, so the calibration runs in two rounds, and a calibrated bucket re-checks the other side of the draft boundary
+(`_recheck`: k = 0 while drafting, its best k > 0 while not, if the models put it within `recheck_window` of k*) in a
+burst of `min_samples` steps after `recheck_steps` steps, the interval doubling up to `recheck_max` while the decision
+holds and back to `recheck_steps` when it crosses (the 350m pair at B = 1, a one-block calibration on a loaded VM: k = 0
+in all 992 live steps, no exploration, where fixed k = 2 was 1.23x faster; a re-check's cost where drafting loses by
+a third: about one step's time per 128 steps at first, and k = 0's settling after it, then halving).
 
 Draft prefill. Drafting has a cost outside the decode steps: every prompt is prefilled into the draft too
 (or caught up later, the same work). Per generated token it is the draft's prefill seconds per prompt token
@@ -109,6 +116,12 @@ class _Bucket:
     streak: int = 0  # steps chosen in a row in this bucket, up to the last
     regime: bool | None = None  # whether the bucket's last observed step drafted (None: none observed)
     settling: int = 0  # k = 0 steps after drafting still to observe before their costs are recorded
+    # calibrated: the next re-check of the other side of the draft boundary (`_recheck`) is due at step `recheck_at`;
+    # the interval doubles after each, back to `recheck_steps` when the decision crosses the boundary
+    recheck_at: int = 0
+    recheck_every: int = 0
+    rechecking: bool = False  # the burst under way is a re-check
+    recheck_steps: int = 0  # steps of re-check bursts (counted in explore_steps too)
 
 
 @register("auto")
@@ -142,6 +155,9 @@ class AutoPolicy(SpeculationPolicy):
         streak_steps: int = 8,
         settle_steps: int = 8,
         pair_steps: int = 16,
+        recheck_steps: int = 128,
+        recheck_max: int = 4096,
+        recheck_window: float = 0.5,
     ) -> None:
         super().__init__(k_max)
         self.candidates = candidates_for(k_max)
@@ -160,6 +176,7 @@ class AutoPolicy(SpeculationPolicy):
         self._buckets: dict[int, _Bucket] = {}
         self._last: _Bucket | None = None  # the bucket of the last step chosen
         self.streak_steps, self.settle_steps, self.pair_steps = streak_steps, settle_steps, pair_steps
+        self.recheck_steps, self.recheck_max, self.recheck_window = recheck_steps, recheck_max, recheck_window
         self._prompt_tokens = 0.0  # of finished requests (decayed per request)
         self._output_tokens = 0.0  # of finished requests (decayed per request)
         self._draft_prefill_s = 0.0  # draft seconds of prefill steps that fed the draft (decayed per step)
@@ -227,7 +244,7 @@ class AutoPolicy(SpeculationPolicy):
             # on the same prompts.
             # What live steps do say about relative costs comes from a k > 0 and k = 0 measured close together (an
             # exploration's burst beside the steps it left): `paired`, shrunk toward 1 by `fit_weight` pseudo-pairs.
-            scale = (sum(st.paired) + self.fit_weight) / (len(st.paired) + self.fit_weight)
+            scale = self._pair_scale(st.paired)
             ratio = {0: 1.0, **{k: r * scale for k, (r, _) in st.ratios.items()}}
             w = {c: len(st.costs[c]) for c in med}
             level = sum(w[c] * med[c] / ratio[c] for c in med) / sum(w.values())  # c(0) now, from every k measured
@@ -276,6 +293,17 @@ class AutoPolicy(SpeculationPolicy):
                 out[k] = (fit, u)
         return out
 
+    @staticmethod
+    def _pair_scale(paired: deque) -> float:
+        """Live relative costs over the calibration's, from the pairs: their median (a single step caught by a slow
+        spell is one pair) less its standard error toward 1 (soft thresholding: noise about a near-tie does not move
+        the calibration, a skewed calibration is undone by the first pairs that show it: three at least)."""
+        if len(paired) < 3:
+            return 1.0
+        med = statistics.median(paired)
+        se = 1.25 * 1.4826 * statistics.median(abs(x - med) for x in paired) / math.sqrt(len(paired))
+        return 1.0 + math.copysign(max(0.0, abs(med - 1.0) - se), med - 1.0)
+
     def _nearest_drafted(self, st: _Bucket) -> tuple[_Bucket, int] | None:
         """(the bucket nearest to `st` in log2 batch size whose costs include k = 0 and some k > 0, that
         distance); None if there is none."""
@@ -294,7 +322,7 @@ class AutoPolicy(SpeculationPolicy):
     def _bucket(self, b: int) -> _Bucket:
         st = self._buckets.get(b)
         if st is None:
-            st = self._buckets[b] = _Bucket(b, paired=deque(maxlen=self.window))
+            st = self._buckets[b] = _Bucket(b, paired=deque(maxlen=4 * self.window))
         return st
 
     def plan(self, batch_size: int) -> tuple[int, int | None, dict[int, float]]:
@@ -349,19 +377,43 @@ class AutoPolicy(SpeculationPolicy):
             st.burst = (k, left - 1)
             st.exploring = True
             return k
+        st.rechecking = False
         if len(st.costs.get(0, ())) < self.min_samples:  # plain decoding first: the safe incumbent
             st.exploring = False
             return 0
         if st.planned is None or st.steps - st.planned_at >= self.replan_every:
             st.planned, st.planned_at = self._plan(st), st.steps
-        best, explore, _, costs = st.planned
-        if explore is not None:
-            samples = st.costs.get(explore)
-            stale = bool(samples) and st.steps - st.last[explore] > self.stale_steps
-            n = 0 if stale or not samples else len(samples)
-            burst = self.min_samples - n if n < self.min_samples else 1
-            if explore == 0 and st.regime:
-                burst += self.settle_steps  # its first steps settle (unrecorded)
+        best, explore, goodput, costs = st.planned
+        if explore is not None and self._burst(st, explore, costs, recheck=False):
+            return explore
+        if self._recheck_due(st):  # due, and no exploration runs in its place
+            other = self._recheck(st, best, goodput)
+            if other is not None and self._burst(st, other, costs, recheck=True):
+                return other
+        st.exploring = False
+        if st.ratios and (best > 0) != (st.best > 0):  # the decision crossed the boundary: re-check it soon
+            st.recheck_every = self.recheck_steps
+            st.recheck_at = min(st.recheck_at, st.steps + self.recheck_steps)
+        st.best = best
+        if best > 0 and st.streak < self.streak_steps and not self.drafting():
+            # prompts skip the draft (the buckets that want drafts run under `draft_share` of the rows): this
+            # bucket's rows were not fed to it, and a bucket that has run only a few steps in a row (a closed
+            # batch draining) would pay the catch-up of whole contexts for a few steps of drafts
+            return 0
+        return best
+
+    def _burst(self, st: _Bucket, explore: int, costs: dict[int, tuple[float, float]], recheck: bool) -> bool:
+        """Start a burst of `explore` if its bound allows: an exploration's is the budget, a re-check's the doubling
+        interval (it is due because a skewed calibration may be what makes the other side look dear, so its cost as
+        the models put it cannot be the bar). Returns whether it started (its first step is this one)."""
+        samples = st.costs.get(explore)
+        stale = bool(samples) and st.steps - st.last[explore] > self.stale_steps
+        n = 0 if stale or not samples else len(samples)
+        # a re-check takes min_samples fresh pairs beside the steps it leaves
+        burst = self.min_samples if recheck else self.min_samples - n if n < self.min_samples else 1
+        if explore == 0 and st.regime:
+            burst += self.settle_steps  # its first steps settle (unrecorded)
+        if not recheck:
             # the free steps at once only for a bucket with nothing to go on; one that starts from the relative costs
             # of a bucket that drafted earns them as it runs (one per 4 of its steps: a closed batch's drain runs
             # each smaller bucket a few steps, where a probe cannot pay for itself); a calibrated one has none
@@ -372,20 +424,29 @@ class AutoPolicy(SpeculationPolicy):
             else:
                 free = self.free_steps
             allowed = self.budget * st.total_s + free * costs[0][0]
-            if st.explore_s + burst * costs[explore][0] <= allowed:
-                if stale:
-                    samples.clear()  # a fresh measurement: the old one is from another time
-                st.burst = (explore, burst - 1)
-                st.exploring = True
-                return explore
-        st.exploring = False
-        st.best = best
-        if best > 0 and st.streak < self.streak_steps and not self.drafting():
-            # prompts skip the draft (the buckets that want drafts run under `draft_share` of the rows): this
-            # bucket's rows were not fed to it, and a bucket that has run only a few steps in a row (a closed
-            # batch draining) would pay the catch-up of whole contexts for a few steps of drafts
-            return 0
-        return best
+            if st.explore_s + burst * costs[explore][0] > allowed:
+                return False
+        if stale:
+            samples.clear()  # a fresh measurement: the old one is from another time
+        st.burst = (explore, burst - 1)
+        st.exploring, st.rechecking = True, recheck
+        if recheck:
+            st.recheck_every = min(self.recheck_max, 2 * st.recheck_every)
+            st.recheck_at = st.steps + st.recheck_every
+        return True
+
+    def _recheck_due(self, st: _Bucket) -> bool:
+        return bool(st.ratios) and self.recheck_steps > 0 and st.steps >= st.recheck_at
+
+    def _recheck(self, st: _Bucket, best: int, goodput: dict[int, float]) -> int | None:
+        """A calibrated bucket's re-check: the other side of the draft boundary from k* (k = 0 while drafting, the best
+        k > 0 while not), if the models put it within `recheck_window` of k*; None if not. A calibrated bucket's
+        relative costs are the calibration's, moved only by pairs (`_pair`), and its exploration measures acceptance
+        only: a calibration skewed by a slow spell would otherwise hold the wrong side for good."""
+        if not goodput:
+            return None
+        other = 0 if best > 0 else max(self.candidates[1:], key=lambda k: (goodput[k], -k))
+        return other if goodput[other] >= (1 - self.recheck_window) * goodput[best] else None
 
     def prefill_k(self, batch_size: int) -> int:
         """The k its bucket runs when not exploring (no step is counted, nothing is explored in a prefill)."""
@@ -394,19 +455,22 @@ class AutoPolicy(SpeculationPolicy):
 
     def calibration(self, max_batch_size: int) -> list[tuple[int, int]]:
         """2 x `min_samples` recorded steps of each k in CALIBRATION_KS (up to k_max) at each bucket up to
-        max_batch_size, each k in a block of consecutive steps, k = 0 last with `settle_steps` more (k = 0 right
-        after drafting steps costs more than plain decoding does: on the toy pair twice, settling over some ten
-        steps; interleaved, it made drafting look half as dear as it is): every bucket the server will run starts
-        with its k = 0 cost and its relative cost of drafting measured (twice the samples an exploration takes: a
-        cost within a few percent of k = 0's is then told apart without exploring), and acceptance with some
-        evidence, so live traffic is not where a draft that loses is found out."""
+        max_batch_size, in two rounds of `min_samples` steps of each k: the ks > 0 (the second round in the reverse
+        order), then k = 0 after `settle_steps` more (k = 0 right after drafting steps costs more than plain decoding
+        does: on the toy pair twice, settling over some ten steps; interleaved step by step, it made drafting look half
+        as dear as it is). Two rounds, not one block per k: a slow spell on the machine (a neighbour's burst) then
+        skews every k's samples, not one k's relative cost (on the 350m pair at B = 1 a one-block calibration put
+        drafting below k = 0 where fixed k = 2 was 1.23x faster). Every bucket the server will run starts with its
+        k = 0 cost and its relative cost of drafting measured (twice the samples an exploration takes: a cost within
+        a few percent of k = 0's is then told apart without exploring), and acceptance with some evidence, so live
+        traffic is not where a draft that loses is found out."""
         if self.k_max == 0:
             return []
         sizes = sorted({min(1 << i, max_batch_size) for i in range(max(1, max_batch_size).bit_length() + 1)})
-        ks = [k for k in self.candidates if k in CALIBRATION_KS or k == min(self.k_max, max(CALIBRATION_KS))]
-        # k = 0 last, after its settling steps (unrecorded)
-        block = {k: 2 * self.min_samples + (self.settle_steps if k == 0 else 0) for k in ks}
-        return [(b, k) for b in sizes for k in [*ks[1:], 0] for _ in range(block[k])]
+        ks = [k for k in self.candidates if k in CALIBRATION_KS or k == min(self.k_max, max(CALIBRATION_KS))][1:]
+        n, plain = self.min_samples, [0] * (self.min_samples + self.settle_steps)
+        rounds = [k for order in (ks, ks[::-1]) for k in [*(k for k in order for _ in range(n)), *plain]]
+        return [(b, k) for b in sizes for k in rounds]
 
     def calibrated(self) -> None:
         """The calibration's steps are in: keep each bucket's relative costs c(k) / c(0) and its k*, forget its
@@ -419,7 +483,9 @@ class AutoPolicy(SpeculationPolicy):
             st.ratios = {k: (c / costs[0][0], u) for k, (c, u) in costs.items() if k > 0}
             st.costs, st.last, st.planned, st.burst = {}, {}, None, (0, 0)
             st.explore_s = st.total_s = 0.0
-            st.by_k, st.explore_steps = {}, 0  # the summary reports live steps
+            st.by_k, st.explore_steps, st.recheck_steps = {}, 0, 0  # the summary reports live steps
+            st.recheck_every = self.recheck_steps
+            st.recheck_at = self.recheck_steps
 
     def drafting(self) -> bool:
         """Whether prompts should be fed to the draft as they are prefilled: False once the batch-size buckets
@@ -462,6 +528,7 @@ class AutoPolicy(SpeculationPolicy):
         if st.exploring:
             st.explore_s += seconds
             st.explore_steps += 1
+            st.recheck_steps += st.rechecking
             st.exploring = False
         st.by_k[k] = st.by_k.get(k, 0) + 1
         st.rows = batch_size if st.rows == 0 else st.rows + 0.1 * (batch_size - st.rows)
@@ -534,6 +601,7 @@ class AutoPolicy(SpeculationPolicy):
                 "steps_by_k": dict(sorted(st.by_k.items())),
                 "explore_fraction": st.explore_s / st.total_s if st.total_s else 0.0,
                 "explore_steps": st.explore_steps,
+                "recheck_steps": st.recheck_steps,  # of those, re-checks of a calibrated bucket (`_recheck`)
                 "best_k": self.plan(b)[0],
                 "draft_prefill_ms_per_token": 1e3 * self.draft_overhead(),  # o, the same for every bucket
             }
