@@ -122,6 +122,8 @@ class _Bucket:
     recheck_every: int = 0
     rechecking: bool = False  # the burst under way is a re-check
     recheck_steps: int = 0  # steps of re-check bursts (counted in explore_steps too)
+    recheck_loss: float = 0.0  # of the re-check under way: 1 - G(its k) / G(k*) as modelled when it started
+    recheck_s: float = 0.0  # what re-checks cost: their catch-up, and their other seconds times their recheck_loss
 
 
 @register("auto")
@@ -158,6 +160,7 @@ class AutoPolicy(SpeculationPolicy):
         recheck_steps: int = 128,
         recheck_max: int = 4096,
         recheck_window: float = 0.5,
+        recheck_budget: float = 0.01,
     ) -> None:
         super().__init__(k_max)
         self.candidates = candidates_for(k_max)
@@ -177,6 +180,7 @@ class AutoPolicy(SpeculationPolicy):
         self._last: _Bucket | None = None  # the bucket of the last step chosen
         self.streak_steps, self.settle_steps, self.pair_steps = streak_steps, settle_steps, pair_steps
         self.recheck_steps, self.recheck_max, self.recheck_window = recheck_steps, recheck_max, recheck_window
+        self.recheck_budget = recheck_budget
         self._prompt_tokens = 0.0  # of finished requests (decayed per request)
         self._output_tokens = 0.0  # of finished requests (decayed per request)
         self._draft_prefill_s = 0.0  # draft seconds of prefill steps that fed the draft (decayed per step)
@@ -389,6 +393,7 @@ class AutoPolicy(SpeculationPolicy):
         if self._recheck_due(st):  # due, and no exploration runs in its place
             other = self._recheck(st, best, goodput)
             if other is not None and self._burst(st, other, costs, recheck=True):
+                st.recheck_loss = max(0.0, 1.0 - goodput[other] / goodput[best])
                 return other
         st.exploring = False
         if st.ratios and (best > 0) != (st.best > 0):  # the decision crossed the boundary: re-check it soon
@@ -436,7 +441,11 @@ class AutoPolicy(SpeculationPolicy):
         return True
 
     def _recheck_due(self, st: _Bucket) -> bool:
-        return bool(st.ratios) and self.recheck_steps > 0 and st.steps >= st.recheck_at
+        """A calibrated bucket's re-check is due after its interval, once what re-checks cost is within
+        `recheck_budget` of its seconds: a k > 0 while prompts skip the draft catches whole contexts up (on the toy pair
+        at B = 8, 2 to 15 steps' time a burst), so the budget, not the interval, then spaces them."""
+        return (bool(st.ratios) and self.recheck_steps > 0 and st.steps >= st.recheck_at
+                and st.recheck_s <= self.recheck_budget * st.total_s)
 
     def _recheck(self, st: _Bucket, best: int, goodput: dict[int, float]) -> int | None:
         """A calibrated bucket's re-check: the other side of the draft boundary from k* (k = 0 while drafting, the best
@@ -484,6 +493,7 @@ class AutoPolicy(SpeculationPolicy):
             st.costs, st.last, st.planned, st.burst = {}, {}, None, (0, 0)
             st.explore_s = st.total_s = 0.0
             st.by_k, st.explore_steps, st.recheck_steps = {}, 0, 0  # the summary reports live steps
+            st.recheck_s = 0.0
             st.recheck_every = self.recheck_steps
             st.recheck_at = self.recheck_steps
 
@@ -529,6 +539,9 @@ class AutoPolicy(SpeculationPolicy):
             st.explore_s += seconds
             st.explore_steps += 1
             st.recheck_steps += st.rechecking
+            if st.rechecking:
+                catchup = min(catchup_s, seconds)
+                st.recheck_s += catchup + (seconds - catchup) * st.recheck_loss
             st.exploring = False
         st.by_k[k] = st.by_k.get(k, 0) + 1
         st.rows = batch_size if st.rows == 0 else st.rows + 0.1 * (batch_size - st.rows)
@@ -602,6 +615,7 @@ class AutoPolicy(SpeculationPolicy):
                 "explore_fraction": st.explore_s / st.total_s if st.total_s else 0.0,
                 "explore_steps": st.explore_steps,
                 "recheck_steps": st.recheck_steps,  # of those, re-checks of a calibrated bucket (`_recheck`)
+                "recheck_cost_fraction": st.recheck_s / st.total_s if st.total_s else 0.0,  # modelled, see _Bucket
                 "best_k": self.plan(b)[0],
                 "draft_prefill_ms_per_token": 1e3 * self.draft_overhead(),  # o, the same for every bucket
             }

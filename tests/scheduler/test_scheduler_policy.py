@@ -742,3 +742,29 @@ def test_auto_calibrated_recovers_from_a_skewed_calibration(skew):
         assert worth[True][0] >= 0.95 and worth[True][1] >= 0.97, (seed, worth)
         locked += worth[False][1] < 0.85  # without re-checks: k = 0 to the end
     assert locked >= 2 if pays else locked == 0
+
+
+def test_auto_recheck_costs_stay_within_their_budget_when_a_draft_catches_whole_contexts_up():
+    """While prompts skip the draft, a re-check of a k > 0 first catches the draft up on every row's context: on the
+    toy pair at B = 8, 2 to 15 steps' time a burst. What re-checks cost (their catch-up, and the rest of their time
+    times the loss the models put on their k) stays within `recheck_budget` (1%) of the bucket's seconds, one burst
+    over at most; with no such budget the doubling interval alone lets them cost twice as much here."""
+    from exspec.scheduler.policies.auto import AutoPolicy
+
+    acc, jump, slope, batch, _ = REGIMES["loses-at-large-batch"]
+    spent = {}
+    for budget in (0.01, math.inf):
+        world = _World(acc, jump, slope, seed=9)
+        policy = _calibrated(AutoPolicy(4, recheck_budget=budget), world, batch)
+        catchup_s, last_k, total_s = 20 * world.cost(batch, 0), 0, 0.0
+        for _ in range(4000):
+            k = policy.choose(batch)
+            n, s, accepted = world.step(batch, k)
+            catchup = catchup_s if k > 0 and last_k == 0 else 0.0  # the rows were not fed to the draft
+            policy.observe(batch, k, n, s + catchup, catchup, accepted, batch)
+            last_k, total_s = k, total_s + s + catchup
+        summary = policy.summary()[batch]
+        assert summary["best_k"] == 0 and summary["recheck_steps"] > 0, summary
+        spent[budget] = summary["recheck_cost_fraction"]
+    assert spent[0.01] <= 0.01 + 21 * world.cost(batch, 0) / total_s, spent  # one burst over at most
+    assert spent[math.inf] >= 2 * spent[0.01], spent
