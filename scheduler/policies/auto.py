@@ -31,10 +31,12 @@ within `pair_steps` steps of each other (an exploration's or a re-check's burst 
 median less its standard error, `_pair_scale`). A calibration is a few steps of each k: a slow spell during them skews
 it, so the calibration runs in two rounds, and a calibrated bucket re-checks the other side of the draft boundary
 (`_recheck`: k = 0 while drafting, its best k > 0 while not, if the models put it within `recheck_window` of k*) in a
-burst of `min_samples` steps after `recheck_steps` steps, the interval doubling up to `recheck_max` while the decision
-holds and back to `recheck_steps` when it crosses (the 350m pair at B = 1, a one-block calibration on a loaded VM: k = 0
-in all 992 live steps, no exploration, where fixed k = 2 was 1.23x faster; a re-check's cost where drafting loses by
-a third: about one step's time per 128 steps at first, and k = 0's settling after it, then halving).
+burst of `min_samples` steps after `recheck_steps` steps (4x that for k = 0 in a bucket calibrated to draft: its first
+live steps are k = 0 beside drafting ones), the interval doubling up to `recheck_max` while the decision holds and back
+to `recheck_steps` when it crosses (the 350m pair at B = 1, a one-block calibration on a loaded VM: k = 0 in all 992
+live steps, no exploration, where fixed k = 2 was 1.23x faster). What re-checks cost (catch-up of the draft, and their
+other seconds times the loss the models put on them) is kept within `recheck_budget` (1%) of the bucket's seconds: a
+k > 0 while prompts skip the draft first catches every row's context up (the toy pair at B = 8: 2 to 15 steps' time).
 
 Draft prefill. Drafting has a cost outside the decode steps: every prompt is prefilled into the draft too
 (or caught up later, the same work). Per generated token it is the draft's prefill seconds per prompt token
@@ -124,6 +126,7 @@ class _Bucket:
     recheck_steps: int = 0  # steps of re-check bursts (counted in explore_steps too)
     recheck_loss: float = 0.0  # of the re-check under way: 1 - G(its k) / G(k*) as modelled when it started
     recheck_s: float = 0.0  # what re-checks cost: their catch-up, and their other seconds times their recheck_loss
+    recheck_catchup: float = 0.0  # catch-up seconds of the last re-check (its next is expected to pay as much)
 
 
 @register("auto")
@@ -392,7 +395,10 @@ class AutoPolicy(SpeculationPolicy):
             return explore
         if self._recheck_due(st):  # due, and no exploration runs in its place
             other = self._recheck(st, best, goodput)
-            if other is not None and self._burst(st, other, costs, recheck=True):
+            # what it will cost: at least the catch-up the last one paid (its modelled loss is the calibration's
+            # word, which the re-check is there to question: charged as it runs, not up front)
+            if other is not None and st.recheck_s + st.recheck_catchup <= self.recheck_budget * st.total_s:
+                self._burst(st, other, costs, recheck=True)
                 st.recheck_loss = max(0.0, 1.0 - goodput[other] / goodput[best])
                 return other
         st.exploring = False
@@ -493,9 +499,10 @@ class AutoPolicy(SpeculationPolicy):
             st.costs, st.last, st.planned, st.burst = {}, {}, None, (0, 0)
             st.explore_s = st.total_s = 0.0
             st.by_k, st.explore_steps, st.recheck_steps = {}, 0, 0  # the summary reports live steps
-            st.recheck_s = 0.0
-            st.recheck_every = self.recheck_steps
-            st.recheck_at = self.recheck_steps
+            st.recheck_s = st.recheck_catchup = 0.0
+            # a bucket that drafts measures k = 0 live at its start (its first steps, paired with the drafting steps
+            # after them): its first re-check of k = 0 (a burst of settling steps and min_samples) comes 4x later
+            st.recheck_every = st.recheck_at = self.recheck_steps * (4 if st.best > 0 else 1)
 
     def drafting(self) -> bool:
         """Whether prompts should be fed to the draft as they are prefilled: False once the batch-size buckets
@@ -542,6 +549,8 @@ class AutoPolicy(SpeculationPolicy):
             if st.rechecking:
                 catchup = min(catchup_s, seconds)
                 st.recheck_s += catchup + (seconds - catchup) * st.recheck_loss
+                if k > 0 and st.burst[1] == self.min_samples - 1:  # a k > 0 re-check's first step pays the catch-up
+                    st.recheck_catchup = catchup
             st.exploring = False
         st.by_k[k] = st.by_k.get(k, 0) + 1
         st.rows = batch_size if st.rows == 0 else st.rows + 0.1 * (batch_size - st.rows)
