@@ -186,6 +186,7 @@ class AutoPolicy(SpeculationPolicy):
         self.recheck_budget = recheck_budget
         self._prompt_tokens = 0.0  # of finished requests (decayed per request)
         self._output_tokens = 0.0  # of finished requests (decayed per request)
+        self._requests = 0.0  # finished requests (decayed per request)
         self._draft_prefill_s = 0.0  # draft seconds of prefill steps that fed the draft (decayed per step)
         self._draft_prefill_tokens = 0.0  # prompt tokens of those steps (decayed per step)
 
@@ -397,7 +398,7 @@ class AutoPolicy(SpeculationPolicy):
             other = self._recheck(st, best, goodput)
             # what it will cost: at least the catch-up the last one paid (its modelled loss is the calibration's
             # word, which the re-check is there to question: charged as it runs, not up front)
-            if other is not None and st.recheck_s + st.recheck_catchup <= self.recheck_budget * st.total_s:
+            if other is not None and st.recheck_s + self._catchup_expected(st, other) <= self.recheck_budget * st.total_s:
                 self._burst(st, other, costs, recheck=True)
                 st.recheck_loss = max(0.0, 1.0 - goodput[other] / goodput[best])
                 return other
@@ -445,6 +446,18 @@ class AutoPolicy(SpeculationPolicy):
             st.recheck_every = min(self.recheck_max, 2 * st.recheck_every)
             st.recheck_at = st.steps + st.recheck_every
         return True
+
+    def _catchup_expected(self, st: _Bucket, k: int) -> float:
+        """Seconds a re-check of k is expected to spend catching the draft up: what the bucket's last one paid, and
+        while prompts skip the draft at least its rows' contexts (prompt and half an answer, of finished requests) at
+        the draft's prefill seconds per token."""
+        if k == 0:
+            return 0.0
+        estimate = 0.0
+        if not self.drafting() and self._requests > 0 and self._draft_prefill_tokens > 0:
+            context = (self._prompt_tokens + 0.5 * self._output_tokens) / self._requests
+            estimate = st.rows * context * self._draft_prefill_s / self._draft_prefill_tokens
+        return max(st.recheck_catchup, estimate)
 
     def _recheck_due(self, st: _Bucket) -> bool:
         """A calibrated bucket's re-check is due after its interval, once what re-checks cost is within
@@ -605,6 +618,7 @@ class AutoPolicy(SpeculationPolicy):
         keep = 1 - self.request_decay
         self._prompt_tokens = keep * self._prompt_tokens + prompt_tokens
         self._output_tokens = keep * self._output_tokens + output_tokens
+        self._requests = keep * self._requests + 1.0
 
     def _decay(self, keep: float) -> None:
         self._tried = [x * keep for x in self._tried]

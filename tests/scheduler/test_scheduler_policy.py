@@ -747,24 +747,33 @@ def test_auto_calibrated_recovers_from_a_skewed_calibration(skew):
 def test_auto_recheck_costs_stay_within_their_budget_when_a_draft_catches_whole_contexts_up():
     """While prompts skip the draft, a re-check of a k > 0 first catches the draft up on every row's context: on the
     toy pair at B = 8, 2 to 15 steps' time a burst. What re-checks cost (their catch-up, and the rest of their time
-    times the loss the models put on their k) stays within `recheck_budget` (1%) of the bucket's seconds, one burst
-    over at most; with no such budget the doubling interval alone lets them cost twice as much here."""
+    times the loss the models put on their k) stays within `recheck_budget` (1%) of the bucket's seconds: one burst
+    over at most when nothing foretells the catch-up (the next waits for what the last one paid), none over when the
+    draft's prefill speed and the requests' lengths are known (its rows' contexts at that speed); with no such budget
+    the doubling interval alone lets them cost over twice as much here."""
     from exspec.scheduler.policies.auto import AutoPolicy
 
     acc, jump, slope, batch, _ = REGIMES["loses-at-large-batch"]
-    spent = {}
-    for budget in (0.01, math.inf):
+    spent, first = {}, {}
+    for name, budget in (("measured", 0.01), ("foretold", 0.01), ("unbounded", math.inf)):
         world = _World(acc, jump, slope, seed=9)
         policy = _calibrated(AutoPolicy(4, recheck_budget=budget), world, batch)
         catchup_s, last_k, total_s = 20 * world.cost(batch, 0), 0, 0.0
-        for _ in range(4000):
+        if name == "foretold":  # 8 rows x (10 prompt + 200 / 2 answer tokens) at catchup_s / 880 seconds a token
+            policy.observe_prefill(880, catchup_s)
+            policy.observe_finished(10, 200)
+            assert not policy.drafting()  # the premise: prompts skip the draft
+        for step in range(4000):
             k = policy.choose(batch)
             n, s, accepted = world.step(batch, k)
             catchup = catchup_s if k > 0 and last_k == 0 else 0.0  # the rows were not fed to the draft
             policy.observe(batch, k, n, s + catchup, catchup, accepted, batch)
+            if k > 0 and name not in first:
+                first[name] = step
             last_k, total_s = k, total_s + s + catchup
         summary = policy.summary()[batch]
-        assert summary["best_k"] == 0 and summary["recheck_steps"] > 0, summary
-        spent[budget] = summary["recheck_cost_fraction"]
-    assert spent[0.01] <= 0.01 + 21 * world.cost(batch, 0) / total_s, spent  # one burst over at most
-    assert spent[math.inf] >= 2 * spent[0.01], spent
+        assert summary["best_k"] == 0 and summary["recheck_steps"] > 0, (name, summary)
+        spent[name] = summary["recheck_cost_fraction"]
+    assert spent["measured"] <= 0.01 + 21 * world.cost(batch, 0) / total_s, spent  # one burst over at most
+    assert spent["foretold"] <= 0.01 and first["foretold"] > 10 * first["measured"], (spent, first)
+    assert spent["unbounded"] >= 2 * spent["measured"], spent
