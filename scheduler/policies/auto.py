@@ -251,7 +251,8 @@ class AutoPolicy(SpeculationPolicy):
             # every 8 steps and k = 0 ran in 19-25 of 200 steps, tests/scheduler). The calibration measures every k
             # on the same prompts.
             # What live steps do say about relative costs comes from a k > 0 and k = 0 measured close together (an
-            # exploration's burst beside the steps it left): `paired`, shrunk toward 1 by `fit_weight` pseudo-pairs.
+            # exploration's or a re-check's burst beside the steps it left): `paired`, their median less its standard
+            # error (`_pair_scale`).
             scale = self._pair_scale(st.paired)
             ratio = {0: 1.0, **{k: r * scale for k, (r, _) in st.ratios.items()}}
             w = {c: len(st.costs[c]) for c in med}
@@ -398,7 +399,9 @@ class AutoPolicy(SpeculationPolicy):
             other = self._recheck(st, best, goodput)
             # what it will cost: at least the catch-up the last one paid (its modelled loss is the calibration's
             # word, which the re-check is there to question: charged as it runs, not up front)
-            if other is not None and st.recheck_s + self._catchup_expected(st, other) <= self.recheck_budget * st.total_s:
+            affordable = other is not None and (
+                st.recheck_s + self._catchup_expected(st, other) <= self.recheck_budget * st.total_s)
+            if affordable:
                 self._burst(st, other, costs, recheck=True)
                 st.recheck_loss = max(0.0, 1.0 - goodput[other] / goodput[best])
                 return other
@@ -415,9 +418,10 @@ class AutoPolicy(SpeculationPolicy):
         return best
 
     def _burst(self, st: _Bucket, explore: int, costs: dict[int, tuple[float, float]], recheck: bool) -> bool:
-        """Start a burst of `explore` if its bound allows: an exploration's is the budget, a re-check's the doubling
-        interval (it is due because a skewed calibration may be what makes the other side look dear, so its cost as
-        the models put it cannot be the bar). Returns whether it started (its first step is this one)."""
+        """Start a burst of `explore` if its bound allows: an exploration's is the budget; a re-check's were checked by
+        the caller (its interval and `recheck_budget`: it is due because a skewed calibration may be what makes the
+        other side look dear, so its cost as the models put it cannot be the bar). Returns whether it started (its
+        first step is this one)."""
         samples = st.costs.get(explore)
         stale = bool(samples) and st.steps - st.last[explore] > self.stale_steps
         n = 0 if stale or not samples else len(samples)

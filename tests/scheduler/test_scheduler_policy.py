@@ -738,7 +738,8 @@ def test_auto_calibrated_recovers_from_a_skewed_calibration(skew):
             assert (policy.plan(1)[0] > 0) != pays  # the skewed calibration's decision: the wrong side
             world.skewed = False
             chosen, _ = _run_auto(policy, world, 1, 2000)
-            worth[recheck] = [_expected_goodput(world, 1, chosen[a:a + 1000]) / world.goodput(1, best) for a in (0, 1000)]
+            worth[recheck] = [_expected_goodput(world, 1, chosen[a:a + 1000]) / world.goodput(1, best)
+                              for a in (0, 1000)]
         assert worth[True][0] >= 0.95 and worth[True][1] >= 0.97, (seed, worth)
         locked += worth[False][1] < 0.85  # without re-checks: k = 0 to the end
     assert locked >= 2 if pays else locked == 0
