@@ -464,11 +464,10 @@ class AutoPolicy(SpeculationPolicy):
         return max(st.recheck_catchup, estimate)
 
     def _recheck_due(self, st: _Bucket) -> bool:
-        """A calibrated bucket's re-check is due after its interval, once what re-checks cost is within
-        `recheck_budget` of its seconds: a k > 0 while prompts skip the draft catches whole contexts up (on the toy pair
-        at B = 8, 2 to 15 steps' time a burst), so the budget, not the interval, then spaces them."""
-        return (bool(st.ratios) and self.recheck_steps > 0 and st.steps >= st.recheck_at
-                and st.recheck_s <= self.recheck_budget * st.total_s)
+        """A calibrated bucket's re-check is due after its interval; the caller then holds it to `recheck_budget`: a
+        k > 0 while prompts skip the draft catches whole contexts up (on the toy pair at B = 8, 2 to 15 steps' time a
+        burst), so the budget, not the interval, then spaces them."""
+        return bool(st.ratios) and self.recheck_steps > 0 and st.steps >= st.recheck_at
 
     def _recheck(self, st: _Bucket, best: int, goodput: dict[int, float]) -> int | None:
         """A calibrated bucket's re-check: the other side of the draft boundary from k* (k = 0 while drafting, the best
