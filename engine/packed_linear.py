@@ -50,23 +50,26 @@ class PackedLinear(torch.nn.Module):
         self._packed = _Packed()
         self.one_row_packed = linear.weight.numel() >= ONE_ROW_PACKED_MIN_ELEMENTS
 
-    def _packed_weight(self) -> torch.Tensor:
-        if self._packed.version != self.weight._version or self._packed.tensor is None:
+    def _packed_weight(self, weight: torch.Tensor) -> torch.Tensor:  # weight: self.weight
+        packed = self._packed
+        if packed.version != weight._version or packed.tensor is None:
             with torch.no_grad():
-                self._packed.tensor = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.max_rows)
-            self._packed.version = self.weight._version
-        return self._packed.tensor
+                packed.tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.max_rows)
+            packed.version = weight._version
+        return packed.tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        weight = self.weight  # [out, in] (one module attribute lookup: this runs ~30 times a forward)
         rows = x.numel() // self.in_features
         # Under torch.compile (engine/static_forward.py) the plain linear: the prepacked copy's lazy refresh is a
         # Python side effect a graph cannot hold (the compiler does its own weight layouts).
         # A packed model later moved off the CPU or out of float32 (a test's bf16 or CUDA copy): the plain linear.
-        if (torch.compiler.is_compiling() or (rows == 1 and not self.one_row_packed)
-                or self.weight.device.type != "cpu" or self.weight.dtype != torch.float32):
-            return torch.nn.functional.linear(x, self.weight, self.bias)
+        if ((rows == 1 and not self.one_row_packed) or weight.dtype != torch.float32 or not weight.is_cpu
+                or torch.compiler.is_compiling()):
+            return torch.nn.functional.linear(x, weight, self.bias)
         flat = x.reshape(rows, self.in_features)  # [rows, in]
-        out = torch.ops.mkldnn._linear_pointwise(flat, self._packed_weight(), self.bias, "none", [], "")  # [rows, out]
+        packed = self._packed_weight(weight)
+        out = torch.ops.mkldnn._linear_pointwise(flat, packed, self.bias, "none", [], "")  # [rows, out]
         return out.reshape(*x.shape[:-1], self.out_features)
 
 

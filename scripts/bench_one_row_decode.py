@@ -31,7 +31,8 @@ def sgemm_forward(self, x):  # one row through F.linear whatever the thread coun
 
 def packed_always(self, x):
     rows = x.numel() // self.in_features
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, self.in_features), self._packed_weight(), self.bias, "none", [], "")
+    flat, packed = x.reshape(rows, self.in_features), self._packed_weight(self.weight)
+    out = torch.ops.mkldnn._linear_pointwise(flat, packed, self.bias, "none", [], "")
     return out.reshape(*x.shape[:-1], self.out_features)
 
 

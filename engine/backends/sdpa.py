@@ -92,34 +92,31 @@ class RowSdpaBackend(AttentionBackend):
                 query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
             )  # [B, heads, Q, head_dim]
             return o.transpose(1, 2)
-        out = query.new_empty(batch, q_len, heads, v_cache.shape[-1]) if batch > 1 else None  # [B, Q, heads, head_dim]
+        # One call per row. The per-row work is a handful of tensor ops (each costs a few us from Python, and this
+        # runs rows x layers times a forward): the pools' [kv_heads, tokens, head_dim] views are taken once per layer.
+        keys_t, values_t = flat_k.transpose(0, 1), flat_v.transpose(0, 1)  # [kv_heads, tokens, head_dim] views
+        cap = plan.block_tables.shape[1] * block_size
+        per_row_mask = plan.mask is not None and plan.mask.shape[0] > 1
+        outs = []
         for b, (kv_len, first) in enumerate(plan.rows):
-            kv_len = min(kv_len, plan.block_tables.shape[1] * block_size)
+            kv_len = min(kv_len, cap)
             if first >= 0:
                 start = first * block_size
-                keys = flat_k[start : start + kv_len]  # [kv_len, kv_heads, head_dim] view
-                values = flat_v[start : start + kv_len]
+                keys = keys_t[None, :, start : start + kv_len]  # [1, kv_heads, kv_len, head_dim] view
+                values = values_t[None, :, start : start + kv_len]
             else:
                 n = -(-kv_len // block_size)
                 ids = plan.block_tables[b, :n]
                 k_buf, v_buf = self._buffer(0, k_cache, n), self._buffer(1, v_cache, n)  # [n, block_size, ...]
                 torch.index_select(k_cache, 0, ids, out=k_buf)
                 torch.index_select(v_cache, 0, ids, out=v_buf)
-                keys = k_buf.view(-1, kv_heads, head_dim)[:kv_len]  # [kv_len, kv_heads, head_dim]
-                values = v_buf.view(-1, kv_heads, head_dim)[:kv_len]
+                keys = k_buf.view(-1, kv_heads, head_dim)[:kv_len].transpose(0, 1)[None]  # [1, kv_heads, kv_len, D]
+                values = v_buf.view(-1, kv_heads, head_dim)[:kv_len].transpose(0, 1)[None]
             mask = None
             if plan.mask is not None:
-                m = 0 if plan.mask.shape[0] == 1 else b
-                mask = plan.mask[m : m + 1, :, :, :kv_len]  # [1, 1, Q, kv_len]
-            o = torch.nn.functional.scaled_dot_product_attention(
-                query[b : b + 1],
-                keys.transpose(0, 1)[None],  # [1, kv_heads, kv_len, head_dim]
-                values.transpose(0, 1)[None],
-                attn_mask=mask,
-                scale=scale,
-                enable_gqa=gqa,
-            )  # [1, heads, Q, head_dim]
-            if batch == 1:
-                return o.transpose(1, 2)  # [1, Q, heads, head_dim] view
-            out[b] = o[0].transpose(0, 1)
-        return out
+                mask = plan.mask[b : b + 1, :, :, :kv_len] if per_row_mask else plan.mask[..., :kv_len]  # [1, 1, Q, kv]
+            outs.append(torch.nn.functional.scaled_dot_product_attention(
+                query[b : b + 1], keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
+            ))  # [1, heads, Q, head_dim]; a fresh tensor (the gather buffer is reused by the next row)
+        o = outs[0] if batch == 1 else torch.cat(outs)  # [B, heads, Q, head_dim]
+        return o.transpose(1, 2)  # [B, Q, heads, head_dim] view
