@@ -1,7 +1,8 @@
 """Paged per-sequence KV: fixed-size blocks, one block allocator for the target/draft pair, a device block table.
 
 Each model owns, per layer, a key pool and a value pool of shape [num_blocks + 1, block_size, kv_heads,
-head_dim] (token-major inside a block). A sequence owns block ids; its K/V for position p lives at
+head_dim] (a view of head-major storage [kv_heads, num_blocks + 1, block_size, head_dim]: `KVPools`). A sequence
+owns block ids; its K/V for position p lives at
 `block_table[slot, p // block_size] * block_size + p % block_size` of the pool seen as
 [(num_blocks + 1) * block_size, kv_heads, head_dim], in both models' pools (the same ids). Block 0 is the
 *null block*: never handed out; writes of padding columns past the blocks a row owns land there, and what
@@ -281,9 +282,16 @@ class KVPools:
 
     def __init__(self, config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         layers, kv_heads, head_dim = kv_shape(config)
-        shape = (num_blocks + 1, block_size, kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        # Stored head-major, [kv_heads, num_blocks + 1, block_size, head_dim], and seen as [num_blocks + 1,
+        # block_size, kv_heads, head_dim] (a permuted view: every user indexes blocks and tokens the same way, and
+        # the pool still flattens to [(num_blocks + 1) * block_size, kv_heads, head_dim] without a copy). So one
+        # head's keys over a run of blocks are one contiguous stretch of memory: a decode row's SDPA over its
+        # view streams them. Token-major storage interleaved the heads, and on the CPU (K/V read from memory, not
+        # cache) one-query SDPA calls took 1.26x as long (toy target, about 190 keys; docs/BENCHMARKS.md
+        # section 3). The Triton kernel reads any strides.
+        store = (kv_heads, num_blocks + 1, block_size, head_dim)
+        self.keys = [torch.zeros(store, dtype=dtype, device=device).permute(1, 2, 0, 3) for _ in range(layers)]
+        self.values = [torch.zeros(store, dtype=dtype, device=device).permute(1, 2, 0, 3) for _ in range(layers)]
         self.block_size = block_size
 
     @staticmethod

@@ -1,9 +1,9 @@
 """`sdpa`: the CPU default. Rows of similar, modest lengths (a grouped batch, or a mixed one padded by at most a
 fifth; up to 1024 keys) are gathered into a buffer the backend keeps, one `index_select` per layer, and attended
 in one batched SDPA call under the mask; other rows (one row, long or very unequal rows) take one SDPA call each,
-over their own length: a zero-copy strided view of the row's blocks when they are contiguous ids (token-major
-blocks make a block range one [kv_len, kv_heads, head_dim] run of memory), else a gather of its blocks into the
-buffer. The buffer is what makes a gather cheap: a fresh tensor per gather may pay page faults (2048 keys of the demo
+over their own length: a zero-copy view of the row's blocks when they are contiguous ids (the pools' head-major
+storage makes a block range one contiguous [kv_len, head_dim] stretch per head), else a gather of its blocks into
+the buffer. The buffer is what makes a gather cheap: a fresh tensor per gather may pay page faults (2048 keys of the demo
 target: 420 or 32 us fresh, depending on the allocator's state, against 11 to 22 us into a kept buffer), and eight
 rows' gather plus one call costs 0.6x to 1.0x of eight calls over views (128 to 1024 keys; docs/BENCHMARKS.md
 section 4). A call per row with one query and no window needs no mask.
