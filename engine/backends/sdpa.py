@@ -3,11 +3,12 @@ fifth; up to 1024 keys) are gathered into a buffer the backend keeps, one `index
 in one batched SDPA call under the mask; other rows (one row, long or very unequal rows) take one SDPA call each,
 over their own length: a zero-copy view of the row's blocks when they are contiguous ids (the pools' head-major
 storage makes a block range one contiguous [kv_len, head_dim] stretch per head), else a gather of its blocks into
-the buffer. The buffer is what makes a gather cheap: a fresh tensor per gather may pay page faults (2048 keys of the demo
-target: 420 or 32 us fresh, depending on the allocator's state, against 11 to 22 us into a kept buffer), and eight
-rows' gather plus one call costs 0.6x to 1.0x of eight calls over views (128 to 1024 keys; docs/BENCHMARKS.md
-section 4). A call per row with one query and no window needs no mask.
-Measured against `reference` in docs/BENCHMARKS-HISTORY.md ("Paged KV (issue 19)"); scattered rows: docs/BENCHMARKS.md."""
+a buffer, head-major as well. The buffer is what makes a gather cheap: a fresh tensor per gather may pay page faults
+(2048 keys of the demo target: 420 or 32 us fresh, depending on the allocator's state, against 11 to 22 us into a
+kept buffer), and eight rows' gather plus one call costs 0.6x to 1.0x of eight calls over views (128 to 1024 keys;
+docs/BENCHMARKS.md section 4). A call per row with one query and no window needs no mask.
+Measured against `reference` in docs/BENCHMARKS-HISTORY.md ("Paged KV (issue 19)"); scattered rows:
+docs/BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -45,16 +46,22 @@ class RowSdpaBackend(AttentionBackend):
     def __init__(self) -> None:
         self._buffers: dict[tuple, torch.Tensor] = {}  # gather buffers, grown to the largest gather
 
-    def _buffer(self, which: int, like: torch.Tensor, n_blocks: int) -> torch.Tensor:
-        """Buffer `which` (0: keys, 1: values) for n_blocks blocks shaped like `like`'s: [n_blocks, block_size,
-        kv_heads, head_dim] contiguous. Reused by every row and layer (each row's SDPA reads it before the next
-        gather)."""
-        key = (which, like.dtype, like.device, like.shape[1:])
+    def _gather(self, which: int, cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The blocks `ids` [n] of `cache` [num_blocks + 1, block_size, kv_heads, head_dim] copied head-major into
+        buffer `which` (0: keys, 1: values): returns [kv_heads, n, block_size, head_dim] contiguous, so each head's
+        keys are one stretch of memory for SDPA (as in the pools). The buffer is reused by every row and layer (each
+        row's SDPA reads it before the next gather) and grows to the largest gather."""
+        _, block_size, kv_heads, head_dim = cache.shape
+        size = kv_heads * ids.numel() * block_size * head_dim
+        key = (which, cache.dtype, cache.device)
         buf = self._buffers.get(key)
-        if buf is None or buf.shape[0] < n_blocks:
-            buf = like.new_empty((n_blocks, *like.shape[1:]))
+        if buf is None or buf.numel() < size:
+            buf = cache.new_empty(size)
             self._buffers[key] = buf
-        return buf[:n_blocks]
+        out = buf[:size].view(kv_heads, ids.numel(), block_size, head_dim)
+        # the pools' storage order (engine/kv_cache.py); any strides work
+        torch.index_select(cache.permute(2, 0, 1, 3), 1, ids, out=out)
+        return out
 
     def plan(self, meta: ForwardMeta) -> RowsPlan:
         lens = [start + meta.q_len for start in meta.starts]  # keys each row reads
@@ -81,12 +88,10 @@ class RowSdpaBackend(AttentionBackend):
         if plan.batch_ids is not None:  # every row gathered, one call
             n_blocks = plan.block_tables.shape[1]
             kv_len = min(max(n for n, _ in plan.rows), n_blocks * block_size)
-            k_buf = self._buffer(0, k_cache, batch * n_blocks)  # [B * n_blocks, block_size, kv_heads, head_dim]
-            v_buf = self._buffer(1, v_cache, batch * n_blocks)
-            torch.index_select(k_cache, 0, plan.batch_ids, out=k_buf)
-            torch.index_select(v_cache, 0, plan.batch_ids, out=v_buf)
-            keys = k_buf.view(batch, -1, kv_heads, head_dim)[:, :kv_len].transpose(1, 2)  # [B, kv_heads, kv_len, D]
-            values = v_buf.view(batch, -1, kv_heads, head_dim)[:, :kv_len].transpose(1, 2)
+            k_buf = self._gather(0, k_cache, plan.batch_ids)  # [kv_heads, B * n_blocks, block_size, head_dim]
+            v_buf = self._gather(1, v_cache, plan.batch_ids)
+            keys = k_buf.view(kv_heads, batch, -1, head_dim)[:, :, :kv_len].transpose(0, 1)  # [B, kv_heads, kv_len, D]
+            values = v_buf.view(kv_heads, batch, -1, head_dim)[:, :, :kv_len].transpose(0, 1)
             mask = plan.mask[..., :kv_len] if plan.mask is not None else None  # [1 or B, 1, Q, kv_len]
             o = torch.nn.functional.scaled_dot_product_attention(
                 query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
@@ -105,13 +110,9 @@ class RowSdpaBackend(AttentionBackend):
                 keys = keys_t[None, :, start : start + kv_len]  # [1, kv_heads, kv_len, head_dim] view
                 values = values_t[None, :, start : start + kv_len]
             else:
-                n = -(-kv_len // block_size)
-                ids = plan.block_tables[b, :n]
-                k_buf, v_buf = self._buffer(0, k_cache, n), self._buffer(1, v_cache, n)  # [n, block_size, ...]
-                torch.index_select(k_cache, 0, ids, out=k_buf)
-                torch.index_select(v_cache, 0, ids, out=v_buf)
-                keys = k_buf.view(-1, kv_heads, head_dim)[:kv_len].transpose(0, 1)[None]  # [1, kv_heads, kv_len, D]
-                values = v_buf.view(-1, kv_heads, head_dim)[:kv_len].transpose(0, 1)[None]
+                ids = plan.block_tables[b, : -(-kv_len // block_size)]  # [n]
+                keys = self._gather(0, k_cache, ids).view(1, kv_heads, -1, head_dim)[:, :, :kv_len]  # [1, kvh, kv, D]
+                values = self._gather(1, v_cache, ids).view(1, kv_heads, -1, head_dim)[:, :, :kv_len]
             mask = None
             if plan.mask is not None:
                 mask = plan.mask[b : b + 1, :, :, :kv_len] if per_row_mask else plan.mask[..., :kv_len]  # [1, 1, Q, kv]
