@@ -56,6 +56,19 @@ LAYOUTS = {
 @pytest.mark.parametrize("q_len, window", [(1, None), (3, None), (4, 6)])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_backend_forward_matches_sdpa_over_dense_kv(backend, q_len, window, layout):
+    _check_forward(backend, q_len, window, layout)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_backend_forward_over_head_major_storage(backend, layout):
+    """KVPools stores the pools head-major, [kv_heads, blocks, block_size, dim], behind the [blocks, block_size,
+    kv_heads, dim] view every backend indexes: the views, the gathers and the batched call read it right."""
+    for q_len, window in [(1, None), (3, None), (4, 6)]:
+        _check_forward(backend, q_len, window, layout, head_major=True)
+
+
+def _check_forward(backend: str, q_len: int, window: int | None, layout: str, head_major: bool = False) -> None:
     torch.manual_seed(0)
     heads, kv_heads, dim, bs = 4, 2, 8, 4
     starts, tables, first_blocks = LAYOUTS[layout]
@@ -67,6 +80,8 @@ def test_backend_forward_matches_sdpa_over_dense_kv(backend, q_len, window, layo
     dense_k = torch.randn(batch, kv_heads, kv_len, dim)
     dense_v = torch.randn(batch, kv_heads, kv_len, dim)
     k_pool, v_pool = _paged(dense_k, tables, 14, bs), _paged(dense_v, tables, 14, bs)
+    if head_major:  # stored [kv_heads, blocks, block_size, dim], seen as [blocks, block_size, kv_heads, dim]
+        k_pool, v_pool = (p.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for p in (k_pool, v_pool))
     query = torch.randn(batch, heads, q_len, dim)
     positions = torch.tensor(starts)[:, None] + torch.arange(q_len)  # [B, Q]
     keys = torch.arange(kv_len)
