@@ -287,7 +287,7 @@ class KVPools:
         # the pool still flattens to [(num_blocks + 1) * block_size, kv_heads, head_dim] without a copy). So one
         # head's keys over a run of blocks are one contiguous stretch of memory: a decode row's SDPA over its
         # view streams them. Token-major storage interleaved the heads, and on the CPU (K/V read from memory, not
-        # cache) one-query SDPA calls took 1.26x as long (toy target, about 190 keys; docs/BENCHMARKS.md
+        # cache) one-query SDPA calls took 1.17x as long (46.7 us against 39.9; toy target, ~190 keys; BENCHMARKS.md
         # section 3). The Triton kernel reads any strides.
         store = (kv_heads, num_blocks + 1, block_size, head_dim)
         self.keys = [torch.zeros(store, dtype=dtype, device=device).permute(1, 2, 0, 3) for _ in range(layers)]
