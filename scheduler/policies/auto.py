@@ -61,7 +61,11 @@ Exploration, only where the models are uncertain: an optimistic goodput G+(k) (a
 bound, `z` standard errors; cost at its lower bound: sampling spread over sqrt(n), wider for predicted and
 stale costs) names a k whose measurement could change the decision (G+(k) > (1 + margin) * G(k*), and
 G+(k) > (1 + draft_margin) * G(0) while k* = 0: what it takes to be chosen; in a calibrated
-bucket only a k above k*, whose acceptance at the positions k* leaves undrafted is uncertain, at its cost). It is
+bucket only a k above k* > 0, whose acceptance at the positions k* leaves undrafted is uncertain, at its cost: a
+calibrated bucket whose k* is 0 explores nothing, its re-checks of its best k > 0 (below) measure the same acceptance
+within their own budget, charged by the loss the models put on them, where an exploration's every second counts
+against `budget`; on the toy pair at B = 8, where k = 0 is right, explorations and re-checks took 2.8-3.0% of bucket
+8's decode seconds). It is
 measured in a burst of `min_samples` steps (old samples dropped if stale) when the bucket's exploring
 seconds, catch-up included, are within `budget` of its decode seconds plus `free_steps` steps of k = 0 (at
 once for a bucket with nothing to go on; one that starts from another bucket that drafted earns them at one per 4
@@ -365,8 +369,9 @@ class AutoPolicy(SpeculationPolicy):
         # to be chosen a k > 0 must beat k = 0 by the draft margin, and another k > 0 by the margin: exploring one
         # whose optimistic goodput cannot clear that bar cannot change the decision
         bar = (1 + (self.draft_margin if best == 0 else self.margin)) * goodput[best]
-        # calibrated: only a k above k* drafts positions k* leaves unmeasured
-        worth = [k for k in self.candidates if k != best and optimistic[k] > bar and (k > best or not st.ratios)]
+        # calibrated: only a k above k* > 0 drafts positions k* leaves unmeasured; with k* = 0 the re-checks
+        # (`_recheck`, within `recheck_budget`) are the only probes
+        worth = [k for k in self.candidates if k != best and optimistic[k] > bar and (not st.ratios or 0 < best < k)]
         explore = max(worth, key=lambda k: (optimistic[k], -k)) if worth else None
         return best, explore, goodput, costs
 
