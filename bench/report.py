@@ -73,18 +73,16 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"| {_fmt(r['grouped_fraction'], '.0%')} | {r['equivalence_rate']:.0%} | {r['near_ties']} "
             f"| {r['real_divergences']} | {r['generated_tokens']} | {r['decode_seconds']:.2f} |"
         )
-    by = {(r["method"], r["batch_size"]): r["tokens_per_s"] for r in rows}
+    by = {(r["method"], r["batch_size"]): r for r in rows}
     sizes = sorted({r["batch_size"] for r in rows})
     ratios = [(a, b) for a, b in RATIOS if any((a, s) in by and (b, s) in by for s in sizes)]
     if ratios:
-        lines += ["", "Throughput ratios (tokens/s over tokens/s; > 1: exspec is faster):", ""]
+        lines += ["", "Throughput ratios (tokens/s over tokens/s, medians; > 1: exspec is faster; in brackets the lowest "
+                  "and highest ratio within one repeat, where both methods ran in turn):", ""]
         lines.append("| B | " + " | ".join(f"{a} / {b}" for a, b in ratios) + " |")
         lines.append("| ---: |" + " ---: |" * len(ratios))
         for s in sizes:
-            cells = []
-            for a, b in ratios:
-                num, den = by.get((a, s)), by.get((b, s))
-                cells.append(f"{num / den:.2f}x" if num is not None and den else "–")
+            cells = [_ratio_cell(by.get((a, s)), by.get((b, s))) for a, b in ratios]
             lines.append(f"| {s} | " + " | ".join(cells) + " |")
     lines += fixed_ks(rows) + policy_lines(rows)
     lines += efficiency(rows)
@@ -93,11 +91,12 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 def fixed_ks(rows: list[dict]) -> list[str]:
     """With --fixed-ks: per batch size, the best fixed k and the default policy (`exspec`) against it."""
-    by = {(r["method"], r["batch_size"]): r["tokens_per_s"] for r in rows}
+    by = {(r["method"], r["batch_size"]): r for r in rows}
     ks = sorted({int(r["method"][len("exspec-fixed-k"):]) for r in rows if r["method"].startswith("exspec-fixed-k")})
     if not ks:
         return []
-    lines = ["", "The default policy against each fixed k (tokens/s over tokens/s):", "",
+    lines = ["", "The default policy against each fixed k (tokens/s over tokens/s, medians; in brackets the range "
+             "within one repeat):", "",
              "| B | best fixed k | exspec / best fixed | " + " | ".join(f"exspec / k = {k}" for k in ks) + " |",
              "| ---: | ---: | ---: |" + " ---: |" * len(ks)]
     for b in sorted({r["batch_size"] for r in rows}):
@@ -105,10 +104,29 @@ def fixed_ks(rows: list[dict]) -> list[str]:
         auto = by.get(("exspec", b))
         if not fixed or not auto:
             continue
-        best = max(fixed, key=fixed.get)
-        cells = [f"{auto / fixed[k]:.2f}x" if k in fixed and fixed[k] else "–" for k in ks]
-        lines.append(f"| {b} | {best} | {auto / fixed[best]:.2f}x | " + " | ".join(cells) + " |")
+        best = max(fixed, key=lambda k: fixed[k]["tokens_per_s"])
+        cells = [_ratio_cell(auto, fixed.get(k)) for k in ks]
+        lines.append(f"| {b} | {best} | {_ratio_cell(auto, fixed[best])} | " + " | ".join(cells) + " |")
     return lines
+
+
+def paired_ratios(a: dict, b: dict) -> list[float]:
+    """Per repeat, a's tokens/s over b's: the methods run in turn within a repeat (bench/runner.py), so a slow spell
+    of the machine weighs on both sides of a pair more than on the medians. [] unless both rows hold the same number
+    (two or more) of positive timings."""
+    sa, sb = a.get("seconds_per_repeat") or [], b.get("seconds_per_repeat") or []
+    if len(sa) < 2 or len(sa) != len(sb) or min(sa + sb) <= 0:
+        return []
+    return [(a["generated_tokens"] / x) / (b["generated_tokens"] / y) for x, y in zip(sa, sb)]
+
+
+def _ratio_cell(a: dict | None, b: dict | None) -> str:
+    """'1.05x (0.98-1.10)': the ratio of a's and b's median tokens/s, and the range of their per-repeat ratios."""
+    if a is None or b is None or not b["tokens_per_s"]:
+        return "–"
+    cell = f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x"
+    pairs = paired_ratios(a, b)
+    return f"{cell} ({min(pairs):.2f}-{max(pairs):.2f})" if pairs else cell
 
 
 def policy_lines(rows: list[dict]) -> list[str]:

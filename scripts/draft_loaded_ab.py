@@ -1,7 +1,10 @@
 """Does a loaded draft cost anything when the policy does not draft? The target alone (`target-ar`), the engine
 with its draft at fixed k = 0, and the engine with its draft under `auto` (calibrated first, as `exspec serve`
-calibrates), the same prompts through each, in rounds whose order alternates; tokens/s (whole runs), decode and
-forward ms per decode step, medians over the rounds.
+calibrates), the same prompts through each, in rounds whose order rotates; tokens/s (whole runs), decode and
+forward ms per decode step, medians over the rounds. `target-ar-2`, a second engine of the target alone, is the
+control: its ratio to `target-ar` is what this machine's noise makes of two identical runs (on the SmolLM2 pair at
+B = 8, quiet VM, 4 rounds: 0.995x; a scratch probe of the same kind found two such engines 4.5% apart;
+docs/BENCHMARKS.md section 2).
 
     OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/python scripts/draft_loaded_ab.py --pair ~/.cache/exspec/demo
 
@@ -24,7 +27,7 @@ from exspec.engine.loader import load_model_pair
 from exspec.scheduler import SchedulerConfig, generate_offline, policies
 from exspec.scheduler.core import SchedulerCore
 
-METHODS = ("target-ar", "fixed-k0", "auto")
+METHODS = ("target-ar", "target-ar-2", "fixed-k0", "auto")
 
 
 def main(argv=None) -> int:
@@ -46,7 +49,7 @@ def main(argv=None) -> int:
     params = [SamplingParams(max_tokens=args.max_tokens)] * len(prompts)
     runs = {}
     for name in METHODS:
-        if name == "target-ar":
+        if name.startswith("target-ar"):
             engine = SpecEngine(replace(cfg, draft_model=None, max_num_speculative_tokens=0), pair=replace(pair, draft=None))
         else:
             engine = SpecEngine(cfg, pair=pair)
@@ -60,7 +63,7 @@ def main(argv=None) -> int:
         generate_offline(engine, prompts, params, sched, speculation=policy)  # warm-up, untimed
     rows = {name: [] for name in METHODS}
     for r in range(args.rounds):
-        for name in METHODS if r % 2 == 0 else METHODS[::-1]:
+        for name in METHODS[r % len(METHODS):] + METHODS[: r % len(METHODS)]:
             engine, sched, policy = runs[name]
             start = time.perf_counter()
             _, s = generate_offline(engine, prompts, params, sched, speculation=policy)

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from exspec.bench.equivalence import classify_divergences, first_divergence, top2_gap, top2_gaps_along
-from exspec.bench.report import NO_PLOT, write_results
+from exspec.bench.report import NO_PLOT, markdown, paired_ratios, write_results
 from exspec.cli.main import main
 from exspec.data.reference import read_reference
 from exspec.scheduler import SchedulerConfig
@@ -276,6 +276,30 @@ def test_fixed_ks_expand_exspec_fixed_into_one_method_per_k():
     ]
     with pytest.raises(BenchError, match="--fixed-ks"):
         BenchConfig(engine=engine, fixed_ks=(33,))
+
+
+def _row(method: str, seconds: list[float], tokens: int = 100) -> dict:
+    median = sorted(seconds)[len(seconds) // 2]
+    return dict(method=method, batch_size=1, tokens_per_s=tokens / median, mean_acceptance_length=1.0,
+                grouped_fraction=1.0, equivalence_rate=1.0, near_ties=0, real_divergences=0, num_prompts=1,
+                generated_tokens=tokens, decode_seconds=median, seconds_per_repeat=seconds)
+
+
+def test_ratios_show_the_range_of_their_per_repeat_pairs():
+    """A ratio of medians hides how far the repeats spread; each ratio cell also gives the lowest and highest ratio of
+    the runs that shared a repeat. Model-free: rows as results.json holds them."""
+    base = _row("target-ar", [10.0, 10.0, 12.0])
+    fast = _row("exspec", [8.0, 10.0, 8.0])  # per repeat 1.25x, 1.00x, 1.50x; medians 10 / 8 = 1.25x
+    assert paired_ratios(fast, base) == pytest.approx([1.25, 1.0, 1.5])
+    k2, k4 = _row("exspec-fixed-k2", [9.0, 11.0, 9.0]), _row("exspec-fixed-k4", [10.0, 12.0, 12.0])
+    md = markdown([base, fast, k2, k4], {})
+    assert "| 1 | 1.25x (1.00-1.50) |" in md  # exspec / target-ar
+    # against the best fixed k (k = 2: 9 s median), per repeat 1.125, 1.1, 1.125
+    assert "| 1 | 2 | 1.12x (1.10-1.12) | 1.12x (1.10-1.12) | 1.50x (1.20-1.50) |" in md
+    # one repeat, or repeats that do not pair up: the ratio alone
+    assert paired_ratios(_row("exspec", [8.0]), _row("target-ar", [10.0])) == []
+    assert paired_ratios(fast, _row("target-ar", [10.0, 10.0])) == []
+    assert "| 1 | 1.25x |" in markdown([_row("target-ar", [10.0]), _row("exspec", [8.0])], {})
 
 
 def test_fixed_ks_rows_and_the_default_policy_against_the_best(pair, tmp_path):
