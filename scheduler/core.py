@@ -326,8 +326,8 @@ class SchedulerCore:
 
     def _prefill_step(self, prefilling: list[Request], t0: float, budget: int) -> tuple[list[Delta], list[StepStats]]:
         overhead = self._prefill_cost.overhead_tokens(self.config.max_prefill_tokens)
-        n, width = plan_prefill([r.prompt_len - r.num_prefilled for r in prefilling], budget, overhead)
-        reqs = prefilling[:n]
+        rows, width = plan_prefill([r.prompt_len - r.num_prefilled for r in prefilling], budget, overhead)
+        reqs = [prefilling[i] for i in rows]
         draft = self.speculation.drafting()  # False: the policy runs without drafts; steps that draft catch up
         ends = {r.seq_id: min(r.prompt_len, r.num_prefilled + width) for r in reqs}  # seq_id -> end of this chunk
         # Chunks that complete their prompts may carry drafts the prefill forward verifies (the engine's fused
@@ -335,7 +335,7 @@ class SchedulerCore:
         k = 0
         if draft:
             running = sum(1 for r in self.pool if r.state is RequestState.RUNNING)
-            k = self.speculation.prefill_k(min(self.config.max_batch_size, running + n))
+            k = self.speculation.prefill_k(min(self.config.max_batch_size, running + len(reqs)))
         t1 = time.perf_counter()
 
         def call(batch: list[Request]) -> StepOutput:

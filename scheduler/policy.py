@@ -79,44 +79,67 @@ DEFAULT_STEP_OVERHEAD_TOKENS = 16.0  # a prefill forward's fixed cost in tokens'
 
 
 def plan_prefill(remaining: list[int], budget: int,
-                 overhead_tokens: float = DEFAULT_STEP_OVERHEAD_TOKENS) -> tuple[int, int]:
+                 overhead_tokens: float = DEFAULT_STEP_OVERHEAD_TOKENS) -> tuple[tuple[int, ...], int]:
     """The next prefill step over sequences waiting to prefill (FIFO order, `remaining` prompt tokens each):
-    returns (n, width): the first n of them each get a chunk of min(remaining, width) tokens.
+    returns (rows, width): the rows (indices into `remaining`, ascending, the first always among them: nothing is
+    starved) that each get a chunk of min(remaining, width) tokens.
 
-    A prefill forward is rectangular, [n, longest chunk], so it costs what n * width tokens cost, real or padding,
-    plus a fixed cost per forward (`overhead_tokens`, in tokens' worth: PrefillCost measures it); the step keeps
-    n * width <= budget. Uncut, the prefix grows by the next prompt while that costs no more than the prompt would
-    cost in a step of its own (its tokens plus the overhead): where a forward's fixed cost dominates (a GPU: a
-    few hundred tokens cost about one) prompts share a step, padded or not; where tokens dominate (this CPU: the
-    350m synthetic target's forward is ~14 tokens' worth) prompts of unequal lengths are not padded to each other.
-    A cut step (every chunk at most budget // n) is worth its real tokens per token of cost, real / (n * width +
-    overhead), and is taken only if it is worth more than the uncut step and prefills over twice its real tokens:
-    a cut leaves a remainder for a later step (a hundred 10-token prompts: 51 whole, not 64 cut to 8). Measured
-    at B = 1 in a pool of 4 on the 350m pair: four prompts of 18 to 269 tokens cut to 4 x 128 for 191 real tokens
-    made the run's prefill 25% slower than one prompt at a time.
+    A prefill forward is rectangular, [rows, longest chunk], so it costs what rows * width tokens cost, real or
+    padding, plus a fixed cost per forward (`overhead_tokens`, in tokens' worth: PrefillCost measures it); the step
+    keeps rows * width <= budget. Rows join in FIFO order, each while that costs no more than its chunk would cost in
+    a step of its own (its tokens plus the overhead); a row that would cost more (too much padding beside the others,
+    or too long for them) is passed over, not a stop: a later row may fit. So where a forward's fixed cost dominates
+    (a GPU: a few hundred tokens cost about one) prompts share a step, padded or not; where tokens dominate (this CPU:
+    SmolLM2's prefill ~7 ms a token, padding included, its fixed cost 0 to 30 tokens' worth) rows of unequal lengths are
+    not padded to each other, and a short prompt behind a long one still joins the rows of its own length (16
+    SpecBench prompts in a pool of 16: 14% of the prefill's tokens were padding when the first misfit ended the step,
+    docs/BENCHMARKS.md section 2). A cut step (every chunk at most `cap`, for the caps budget // n of the FIFO
+    prefixes that do not fit whole) is worth its real tokens per token of cost, real / (rows * width + overhead),
+    and is taken only if it is worth more than the uncut step and prefills over twice its real tokens: a cut leaves
+    a remainder for a later step (a hundred 10-token prompts: 51 whole, not 64 cut to 8). Measured at B = 1 in a
+    pool of 4 on the 350m pair: four prompts of 18 to 269 tokens cut to 4 x 128 for 191 real tokens made the run's
+    prefill 25% slower than one prompt at a time.
     """
     if not remaining or budget < 1:
-        return 0, 0
+        return (), 0
     overhead = max(0.0, overhead_tokens)
     rows = remaining[: min(budget, MAX_PREFILL_ROWS)]
-    n_whole = whole_width = total = 0  # the uncut prefix: rows, its longest prompt, its real tokens
-    for r in rows:
-        grown = max(whole_width, r)
-        if (n_whole + 1) * grown > budget or (n_whole and (n_whole + 1) * grown - n_whole * whole_width > r + overhead):
-            break
-        n_whole, whole_width, total = n_whole + 1, grown, total + r
-    whole_worth = total / (n_whole * whole_width + overhead) if n_whole else -1.0
-    cut = (-1.0, 0, 0, 0)  # (real / cost, real tokens, n, width) of the best cut step
-    longest = 0
+
+    def walk(cap: int) -> tuple[list[int], int, int]:  # (rows, width, real tokens) with every chunk cut to cap
+        chosen, width, real = [], 0, 0
+        for i, r in enumerate(rows):
+            chunk = min(r, cap)
+            grown = max(width, chunk)
+            n = len(chosen)
+            if (n + 1) * grown > budget or (n and (n + 1) * grown - n * width > chunk + overhead):
+                if n == 0:  # the head does not fit whole: no uncut step
+                    return [], 0, 0
+                continue
+            chosen.append(i)
+            width, real = grown, real + chunk
+        return chosen, width, real
+
+    whole, whole_width, total = walk(budget + 1)  # a prompt longer than the budget never joins whole
+    whole_worth = total / (len(whole) * whole_width + overhead) if whole else -1.0
+    best = (-1.0, 0, [], 0)  # (real / cost, real tokens, rows, width) of the best cut step
+    longest, caps = 0, set()
     for n, r in enumerate(rows, start=1):
         longest = max(longest, r)
         if n * longest > budget:
-            width = budget // n
-            real = sum(min(x, width) for x in rows[:n])
-            cut = max(cut, (real / (n * width + overhead), real, n, width))
-    if n_whole == 0 or (cut[0] > whole_worth and cut[1] > 2 * total):
-        return cut[2], cut[3]
-    return n_whole, whole_width
+            caps.add(budget // n)
+    for cap in sorted(caps, reverse=True):
+        chosen, width, real = walk(cap)
+        if chosen:
+            best = max(best, (real / (len(chosen) * width + overhead), real, chosen, width), key=lambda c: c[:2])
+    if not whole or (best[0] > whole_worth and best[1] > 2 * total):
+        return tuple(best[2]), best[3]
+    return tuple(whole), whole_width
+
+
+# A line through steps of nearly one size is noise: a prefill step's seconds also grow with its rows' widths
+# (attention), so two steps of 512 and 416 padded tokens on the SmolLM2 pair (this CPU, 3.6 and 3.0 s) put the fixed
+# cost at 49 tokens' worth, where steps of 18 to 512 tokens put it at 0 to 28.
+MIN_SIZE_SPREAD = 0.5
 
 
 @dataclass
@@ -124,7 +147,7 @@ class PrefillCost:
     """A prefill step's seconds as a line in its padded tokens (rows x width): fixed + per_token * tokens, by
     least squares over the steps seen, each older step's weight decayed by `decay`. `overhead_tokens()`:
     fixed / per_token, what one more forward costs in tokens' worth (plan_prefill's trade of padding against
-    steps); DEFAULT_STEP_OVERHEAD_TOKENS until two sizes are measured."""
+    steps); DEFAULT_STEP_OVERHEAD_TOKENS until the measured sizes spread (MIN_SIZE_SPREAD)."""
 
     decay: float = 1 / 32
     _sums: list = field(default_factory=lambda: [0.0] * 5)  # weight, x, y, xx, xy
@@ -137,10 +160,11 @@ class PrefillCost:
         self._sums = [keep * a + b for a, b in zip(self._sums, (1.0, x, y, x * x, x * y))]
 
     def line(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per token), or None until the steps span two sizes."""
+        """(fixed seconds, seconds per token), or None until the steps' sizes spread enough to tell the two apart
+        (their weighted standard deviation at least MIN_SIZE_SPREAD of their mean)."""
         w, sx, sy, sxx, sxy = self._sums
-        spread = w * sxx - sx * sx
-        if w <= 0 or spread <= 1e-9 * max(1.0, w * sxx):
+        spread = w * sxx - sx * sx  # w^2 * variance of the sizes
+        if w <= 0 or spread <= 1e-9 * max(1.0, w * sxx) or spread < (MIN_SIZE_SPREAD * sx) ** 2:
             return None
         slope = (w * sxy - sx * sy) / spread
         if slope <= 0:

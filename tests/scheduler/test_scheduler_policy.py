@@ -313,45 +313,68 @@ def test_auto_counts_acceptance_per_position():
 
 
 def test_plan_prefill_trades_padding_against_steps():
-    from exspec.scheduler.policy import DEFAULT_STEP_OVERHEAD_TOKENS, plan_prefill
+    from exspec.scheduler.policy import DEFAULT_STEP_OVERHEAD_TOKENS, MAX_PREFILL_ROWS, plan_prefill
+
+    def plan(remaining, budget, overhead=DEFAULT_STEP_OVERHEAD_TOKENS):
+        rows, width = plan_prefill(remaining, budget, overhead)
+        return len(rows) if rows == tuple(range(len(rows))) else rows, width
 
     gpu = 10_000  # a forward's fixed cost dominates: the most real tokens, padding or not
-    assert plan_prefill([], 512) == (0, 0)
-    assert plan_prefill([964], 512) == (1, 512)  # chunked, alone
-    assert plan_prefill([10] * 100, 512) == (51, 10)  # 51 whole prompts, no padding, none cut
-    assert plan_prefill([964, 20, 20], 512) == (1, 512)  # the long one first, nothing padded beside it
-    assert plan_prefill([20, 964, 20], 512, gpu) == (2, 256)  # cut: 276 real tokens against 20 whole
-    assert plan_prefill([20, 964, 20], 512, 16) == (1, 20)  # 20 / 36 against 276 / 528 per token of cost
-    assert plan_prefill([100] * 5 + [600], 512) == (5, 100)  # 500 whole against 510 cut: nothing cut
-    assert plan_prefill([1] * 600, 512) == (128, 1)  # at most MAX_PREFILL_ROWS rows per step
-    assert plan_prefill([4, 4, 1], 512, 16) == (3, 4)  # 3 padded tokens cost less than a step of its own
+    assert plan_prefill([], 512) == ((), 0)
+    assert plan([964], 512) == (1, 512)  # chunked, alone
+    assert plan([10] * 100, 512) == (51, 10)  # 51 whole prompts, no padding, none cut
+    assert plan([964, 20, 20], 512) == (1, 512)  # the long one first, nothing padded beside it
+    assert plan([20, 964, 20], 512, gpu) == (2, 256)  # cut: 276 real tokens against 40 whole
+    assert plan([20, 964, 20], 512, 16) == ((0, 2), 20)  # the long one passed over: 40 / 56 against 276 / 528
+    assert plan([100] * 5 + [600], 512) == (5, 100)  # 500 whole against 510 cut: nothing cut
+    assert plan([1] * 600, 512) == (MAX_PREFILL_ROWS, 1)  # at most MAX_PREFILL_ROWS rows per step
+    assert plan([4, 4, 1], 512, 16) == (3, 4)  # 3 padded tokens cost less than a step of its own
     # The 350m protocol's prompts at B = 1 in a pool of 4: three short ones whole, not four cut to 128
-    assert plan_prefill([22, 23, 18, 269], 512, 14) == (3, 23)
-    assert plan_prefill([22, 23, 18, 269], 512, gpu) == (4, 128)
-    assert plan_prefill([269, 9, 9, 31, 610], 512, 14) == (1, 269)
-    assert plan_prefill([9, 9, 31], 512, 0) == (2, 9)  # no fixed cost: no padding at all
-    assert plan_prefill([9, 9, 31], 512, gpu) == (3, 31)
+    assert plan([22, 23, 18, 269], 512, 14) == (3, 23)
+    assert plan([22, 23, 18, 269], 512, gpu) == (4, 128)
+    assert plan([269, 9, 9, 31, 610], 512, 14) == (1, 269)
+    assert plan([9, 9, 31], 512, 0) == (2, 9)  # no fixed cost: no padding at all
+    assert plan([9, 9, 31], 512, gpu) == (3, 31)
+    # A misfit does not end the step: the rows of the head's length behind it join (16 SpecBench prompts' remainders
+    # after a first cut step: the old FIFO prefix stopped at 50 and padded 10-token rows to 32 in a later step)
+    assert plan([21, 50, 348, 57, 42, 47, 633, 485, 10, 10, 10, 38], 512, 12) == ((0, 8, 9, 10), 21)
+    assert plan([10, 50, 10, 10], 512, 0) == ((0, 2, 3), 10)
     for remaining in ([3, 1, 4, 1, 5, 9, 2, 6], [700, 600, 15, 15], [1] * 600, [513], [15, 964, 17, 611, 20],
-                      [22, 23, 18, 269, 9, 9, 31, 610]):
+                      [22, 23, 18, 269, 9, 9, 31, 610], [53, 82, 380, 89, 74, 79, 665, 517, 42, 42, 42, 70, 108, 68],
+                      [10, 30, 25, 30, 12, 40, 9]):
         for budget in (1, 7, 64, 512):
             for overhead in (0, DEFAULT_STEP_OVERHEAD_TOKENS, 100, gpu):
-                n, w = plan_prefill(remaining, budget, overhead)
-                assert 1 <= n <= len(remaining) and 1 <= w
-                assert n * min(w, max(remaining[:n])) <= budget  # padded cost within the budget
-                # the uncut prefix: each next prompt joins while that costs at most a step of its own
-                m = 0
-                while m < min(len(remaining), 128) and (m + 1) * max(remaining[: m + 1]) <= budget and (
-                    m == 0 or (m + 1) * max(remaining[: m + 1]) - m * max(remaining[:m]) <= remaining[m] + overhead
-                ):
-                    m += 1
-                if w < max(remaining[:n]):  # a cut step: worth more than the uncut one, over twice its tokens
-                    real = sum(min(x, w) for x in remaining[:n])
-                    if m:
-                        uncut = sum(remaining[:m])
-                        assert real > 2 * uncut
-                        assert real / (n * w + overhead) > uncut / (m * max(remaining[:m]) + overhead)
-                else:
-                    assert (n, w) == (m, max(remaining[:m]))
+                rows, w = plan_prefill(remaining, budget, overhead)
+                assert rows[0] == 0 and list(rows) == sorted(set(rows)) and rows[-1] < len(remaining)  # head first
+                chunks = [min(remaining[i], w) for i in rows]
+                assert max(chunks) == w and len(rows) * w <= budget  # padded cost within the budget
+                # each row that joined added at most `overhead` padded tokens: padding <= (rows - 1) * overhead
+                assert len(rows) * w - sum(chunks) <= (len(rows) - 1) * overhead + 1e-9
+                whole = _fifo_fit(remaining[:MAX_PREFILL_ROWS], budget, overhead, budget + 1)
+                if all(c == remaining[i] for c, i in zip(chunks, rows)):  # uncut: the FIFO walk, misfits passed over
+                    assert rows == tuple(whole)
+                else:  # a cut step: worth more than the uncut one, over twice its real tokens
+                    assert chunks == [min(remaining[i], w) for i in _fifo_fit(remaining, budget, overhead, w)]
+                    if whole:
+                        uncut = sum(remaining[i] for i in whole)
+                        uncut_w = max(remaining[i] for i in whole)
+                        assert sum(chunks) > 2 * uncut
+                        assert sum(chunks) / (len(rows) * w + overhead) > uncut / (len(whole) * uncut_w + overhead)
+
+
+def _fifo_fit(remaining, budget, overhead, cap):
+    """plan_prefill's rule, written out: rows in FIFO order, each chunk cut to `cap`, each joining while the step
+    stays within the budget and what it adds costs at most its own chunk plus the overhead; the head must fit."""
+    rows, width = [], 0
+    for i, r in enumerate(remaining):
+        c = min(r, cap)
+        n, grown = len(rows), max(width, min(r, cap))
+        if (n + 1) * grown <= budget and (n == 0 or (n + 1) * grown - n * width <= c + overhead):
+            rows.append(i)
+            width = grown
+        elif n == 0:
+            return []
+    return rows
 
 
 def test_prefill_cost_fits_a_line_and_says_what_a_step_costs_in_tokens():
@@ -361,6 +384,12 @@ def test_prefill_cost_fits_a_line_and_says_what_a_step_costs_in_tokens():
     assert cost.overhead_tokens(512) == DEFAULT_STEP_OVERHEAD_TOKENS  # nothing measured
     cost.observe(100, 0.035 + 100 * 0.0025)
     assert cost.line() is None and cost.overhead_tokens(512) == DEFAULT_STEP_OVERHEAD_TOKENS  # one size only
+    near = PrefillCost()
+    near.observe(512, 3.646)
+    near.observe(416, 3.022)  # SmolLM2 on this CPU: a line through these two says 49 tokens' worth; too close to tell
+    assert near.line() is None and near.overhead_tokens(512) == DEFAULT_STEP_OVERHEAD_TOKENS
+    near.observe(18, 0.216)
+    assert near.overhead_tokens(512) < DEFAULT_STEP_OVERHEAD_TOKENS  # a small step: now they spread
     for tokens in (9, 22, 64, 191, 269, 512):
         cost.observe(tokens, 0.035 + tokens * 0.0025)  # the 350m synthetic target on one CPU core, about
     fixed, per_token = cost.line()
