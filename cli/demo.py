@@ -16,7 +16,8 @@ SETTINGS = ("demo",)  # the shared settings demo-models takes: --demo / EXSPEC_D
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--out", type=Path, default=None, help="directory for target/ and draft/ (default: $EXSPEC_CACHE or ~/.cache/exspec/demo)"
+        "--out", type=Path, default=None, help="directory for target/ and draft/ (default: $EXSPEC_CACHE or ~/.cache/exspec/demo; "
+        "its tiny/ for --demo tiny)"
     )
     parser.add_argument("--force", action="store_true", help="rebuild even if a complete pair is cached")
     parser.add_argument("--seed", type=int, default=0, help="training seed (default: 0)")
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     args.scale = args.scale or settings.demo
     if args.seed < 0:
         raise DemoBuildError(f"--seed must be >= 0, got {args.seed}")
-    out = args.out if args.out is not None else default_demo_dir()
+    out = args.out if args.out is not None else default_demo_dir(args.scale)
     if args.show:
         if args.force:
             raise DemoBuildError("--show builds nothing: it cannot be combined with --force")

@@ -42,8 +42,8 @@ from exspec.demo.train import train_pair
 
 
 def ensure_demo_pair(progress: bool = True, *, seed: int = 0, scale: str = DEFAULT_SCALE) -> tuple[Path, Path]:
-    """The demo pair in `default_demo_dir()`: reused if a complete one is cached, else built (minutes)."""
-    return build_demo_pair(default_demo_dir(), seed=seed, force=False, progress=progress, scale=scale)
+    """The demo pair in `default_demo_dir(scale)`: reused if a complete one is cached, else built (minutes)."""
+    return build_demo_pair(default_demo_dir(scale), seed=seed, force=False, progress=progress, scale=scale)
 
 
 def build_demo_pair(

@@ -1,7 +1,7 @@
 """Where the demo pair lives and whether a complete one is there: the cache directory, its marker files,
 the build lock and the atomic moves that make a half-written pair impossible to reuse.
 
-Layout of a pair directory (`default_demo_dir()` or `--out`):
+Layout of a pair directory (`default_demo_dir(scale)` or `--out`):
     target/      Hugging Face model directory of the target, with the tokenizer (the pair's one tokenizer)
     draft/       the same for the draft (same tokenizer files)
     demo-pair.json   written last: its presence means the pair is complete (MARKER)
@@ -24,10 +24,13 @@ MODEL_MARKER = "exspec_demo.json"  # inside target/ and draft/: marks directorie
 ROLES = ("target", "draft")
 
 
-def default_demo_dir() -> Path:
-    """Where the demo pair is cached: `$EXSPEC_CACHE` if set, else `~/.cache/exspec/demo`."""
+def default_demo_dir(scale: str = DEFAULT_SCALE) -> Path:
+    """Where the demo pair of this scale is cached: `$EXSPEC_CACHE` if set, else `~/.cache/exspec/demo`, for the
+    default pair (SmolLM2); a folder of the scale's name inside it for any other (`tiny/`), so that building or
+    serving one pair never replaces another (SmolLM2's takes minutes to build again)."""
     env = os.environ.get("EXSPEC_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "exspec" / "demo"
+    base = Path(env).expanduser() if env else Path.home() / ".cache" / "exspec" / "demo"
+    return base if scale == DEFAULT_SCALE else base / scale
 
 
 def cached_pair(out_dir: Path, *, seed: int = 0, scale: str = DEFAULT_SCALE) -> tuple[Path, Path] | None:

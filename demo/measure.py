@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads while measuring (default 1)")
     p.add_argument("--show", type=int, default=3, help="print this many decoded continuations")
     a = p.parse_args(argv)
-    out = a.dir if a.dir is not None else default_demo_dir()
+    out = a.dir if a.dir is not None else default_demo_dir(a.scale)
     t0 = time.perf_counter()
     target, draft = build_demo_pair(out, seed=a.seed, force=a.force, scale=a.scale)
     print(f"target: {target}\ndraft:  {draft}\n(build or reuse: {time.perf_counter() - t0:.1f} s)")

@@ -54,8 +54,10 @@ def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
 def test_default_dir_follows_env(monkeypatch, tmp_path):
     monkeypatch.setenv("EXSPEC_CACHE", str(tmp_path / "x"))
     assert default_demo_dir() == tmp_path / "x"
+    assert default_demo_dir("tiny") == tmp_path / "x" / "tiny"  # each pair its own place: one never replaces another
     monkeypatch.delenv("EXSPEC_CACHE")
     assert default_demo_dir() == Path.home() / ".cache" / "exspec" / "demo"
+    assert default_demo_dir("smollm2") == default_demo_dir()
 
 
 def test_pair_loads_with_auto_classes_and_chat_template(pair):
@@ -110,8 +112,8 @@ def test_pair_runs_in_the_engine(pair):
 
 def test_ensure_reuses_the_cache(monkeypatch):
     target, draft = ensure_demo_pair(progress=False, scale="test")
-    assert target.parent == default_demo_dir()
-    marker = default_demo_dir() / MARKER
+    assert target.parent == default_demo_dir("test")
+    marker = default_demo_dir("test") / MARKER
     stamp = marker.stat().st_mtime_ns
 
     def no_rebuild(*a, **k):

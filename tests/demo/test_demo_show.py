@@ -57,9 +57,13 @@ def test_show_before_and_after_a_build(tmp_path, capsys, monkeypatch):
 
 
 def test_show_uses_the_default_cache_dir(tmp_path, capsys):
-    fields, _ = _show(capsys)
-    assert Path(fields["target"]) == tmp_path / "cache" / "target"
+    fields, _ = _show(capsys)  # a pair other than the default one: its own folder, so neither replaces the other
+    assert Path(fields["target"]) == tmp_path / "cache" / "test" / "target"
     assert fields["tokenizer"] == fields["target"]
+    for argv, where in ((["--demo", "smollm2"], tmp_path / "cache"), (["--tiny"], tmp_path / "cache" / "tiny")):
+        assert cli.main(["demo-models", "--show", *argv]) == 0
+        out = dict(line.split(":", 1) for line in capsys.readouterr().out.splitlines())
+        assert Path(out["target"].strip()) == where / "target" and Path(out["draft"].strip()) == where / "draft"
 
 
 def test_show_with_force_is_refused(tmp_path, capsys):
