@@ -16,8 +16,8 @@ SETTINGS = ("demo",)  # the shared settings demo-models takes: --demo / EXSPEC_D
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--out", type=Path, default=None, help="directory for target/ and draft/ (default: $EXSPEC_CACHE or ~/.cache/exspec/demo; "
-        "its tiny/ for --demo tiny)"
+        "--out", type=Path, default=None,
+        help="directory for target/ and draft/ (default: $EXSPEC_CACHE or ~/.cache/exspec/demo; its tiny/ for --demo tiny)",
     )
     parser.add_argument("--force", action="store_true", help="rebuild even if a complete pair is cached")
     parser.add_argument("--seed", type=int, default=0, help="training seed (default: 0)")

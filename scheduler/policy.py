@@ -90,8 +90,8 @@ def plan_prefill(remaining: list[int], budget: int,
     a step of its own (its tokens plus the overhead); a row that would cost more (too much padding beside the others,
     or too long for them) is passed over, not a stop: a later row may fit. So where a forward's fixed cost dominates
     (a GPU: a few hundred tokens cost about one) prompts share a step, padded or not; where tokens dominate (this CPU:
-    SmolLM2's prefill ~7 ms a token, padding included, its fixed cost 0 to 30 tokens' worth) rows of unequal lengths are
-    not padded to each other, and a short prompt behind a long one still joins the rows of its own length (16
+    SmolLM2's prefill ~7 ms a token, padding included, its fixed cost 0 to 30 tokens' worth) rows of unequal lengths
+    are not padded to each other, and a short prompt behind a long one still joins the rows of its own length (16
     SpecBench prompts in a pool of 16: 14% of the prefill's tokens were padding when the first misfit ended the step,
     docs/BENCHMARKS.md section 2). A cut step (every chunk at most `cap`, for the caps budget // n of the FIFO
     prefixes that do not fit whole) is worth its real tokens per token of cost, real / (rows * width + overhead),

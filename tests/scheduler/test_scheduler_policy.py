@@ -354,7 +354,7 @@ def test_plan_prefill_trades_padding_against_steps():
                 if all(c == remaining[i] for c, i in zip(chunks, rows)):  # uncut: the FIFO walk, misfits passed over
                     assert rows == tuple(whole)
                 else:  # a cut step: worth more than the uncut one, over twice its real tokens
-                    assert chunks == [min(remaining[i], w) for i in _fifo_fit(remaining, budget, overhead, w)]
+                    assert rows == tuple(_fifo_fit(remaining[:MAX_PREFILL_ROWS], budget, overhead, w))
                     if whole:
                         uncut = sum(remaining[i] for i in whole)
                         uncut_w = max(remaining[i] for i in whole)
@@ -368,7 +368,7 @@ def _fifo_fit(remaining, budget, overhead, cap):
     rows, width = [], 0
     for i, r in enumerate(remaining):
         c = min(r, cap)
-        n, grown = len(rows), max(width, min(r, cap))
+        n, grown = len(rows), max(width, c)
         if (n + 1) * grown <= budget and (n == 0 or (n + 1) * grown - n * width <= c + overhead):
             rows.append(i)
             width = grown
