@@ -88,10 +88,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def load_points(path: Path) -> dict[tuple[str, int], float]:
-    """(method, B) -> tokens/s from one bench's results.json (a list of rows, or a dict holding them)."""
+    """(method, B) -> tokens/s from one bench's results.json (a list of rows, at 4add254 as today)."""
     rows = json.loads(path.read_text())
-    if isinstance(rows, dict):
-        rows = rows.get("results", rows.get("rows", []))
     return {(row["method"], int(row["batch_size"])): float(row["tokens_per_s"]) for row in rows}
 
 
