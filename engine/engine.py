@@ -216,10 +216,12 @@ class SpecEngine:
         try:
             self.blocks.grow([(slot, need)])
             self.token_buf[slot, :n] = to_device(prompt_token_ids, self.device)
-            self.temperature[slot] = params.temperature
-            self.top_p[slot] = params.top_p
-            self.top_k[slot] = params.top_k
-            self.seeds[slot] = seed
+            # fill_ takes the value as a kernel argument; `t[slot] = value` copies a CPU scalar from pageable memory,
+            # a host sync each on CUDA (four per admitted request, seen in an H100 trace, 2026-11-27)
+            self.temperature[slot].fill_(params.temperature)
+            self.top_p[slot].fill_(params.top_p)
+            self.top_k[slot].fill_(params.top_k)
+            self.seeds[slot].fill_(seed)
         except BaseException:
             self.blocks.free(slot)
             self.allocator.free(slot)

@@ -152,7 +152,8 @@ class StaticForward:
         static-shape and makes no host sync). Two warm-up forwards on a side stream first (Triton's JIT, cuBLAS
         workspaces); `pool` (torch.cuda.graph_pool_handle()) lets the engine's graphs share one memory pool. The
         warm-up and the capture read the buffers as built (null block tables): their K/V writes land in the null
-        block. NOT YET RUN ON A GPU: scripts/gpu_check.sh runs it (gpu-tests, compile-check-cudagraph)."""
+        block. Run on an H100 (2026-11-27): tests/engine/test_cuda_graphs.py and scripts/gpu_check.sh's
+        compile-check-cudagraph stage (docs/BENCHMARKS.md section 0)."""
         dev = self.runner.device
         if dev.type != "cuda":
             raise ValueError(f"capturing a CUDA graph needs a CUDA device, not {dev.type}")

@@ -2,14 +2,16 @@
 offline API at fixed k, one warm-up run, then one run under the PyTorch profiler. Per configuration it prints
 the wall time per decode step, the draft / verify split the engine measures (CUDA events), the host-sync calls
 per step (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, copies, aten::item: over the whole
-run, and inside decode steps only), where each sync inside a decode step comes from (`sync_sources`: of the
-Python frames around it, the innermost in exspec's code and the innermost of all) and the top operators by self
-CPU time; it writes a Chrome trace per configuration into --out.
+run, divided by the decode steps, and inside decode steps only), where each sync inside a decode step comes from
+(`sync_sources`: of the Python frames around it, the innermost in exspec's code and the innermost of all), and from
+the exported trace the whole run's waits per engine step, decode and prefill (`waits_per_engine_step`: stream,
+device and event syncs, aten::item, device-to-host copies) with the frames each wait comes from (`wait_sources`),
+and the top operators by self CPU time; it writes a Chrome trace per configuration into --out.
 
     python scripts/profile_gpu_step.py --synthetic 1b --configs 1:0,1:2,8:2 [--compile] --out DIR
     python scripts/profile_gpu_step.py --synthetic 8b --configs 1:0,1:3 --modes eager,compiled --no-profile --out DIR
 
-Run on an H100 on 2026-11-24 (docs/BENCHMARKS.md section 0); on the CPU it runs at tiny shapes (--synthetic tiny
+Run on an H100 on 2026-11-24 and 2026-11-27 (docs/BENCHMARKS.md section 0); on the CPU it runs at tiny shapes (--synthetic tiny
 --device cpu).
 """
 
@@ -79,6 +81,53 @@ def _decode_syncs(prof) -> tuple[dict[str, int], dict[str, int]]:
         key = f"{e.name}: {_source(held)}"
         sources[key] = sources.get(key, 0) + 1
     return counts, sources
+
+
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::item")
+
+
+def _ours(frame: str) -> bool:
+    """A Python frame event's name ("path(line): function") in exspec's code: this checkout (the path relative to
+    the working directory when run from the checkout, as scripts/gpu_check.sh does) or an installed `exspec`."""
+    m = FRAME.match(frame)
+    path = m.group(1) if m else frame
+    return path.split("/")[0] in PACKAGES or path.startswith(CHECKOUT) or "/exspec/" in path
+
+
+PACKAGES = {p.parent.name for p in Path(CHECKOUT).glob("*/__init__.py")}  # engine, scheduler, server, ...
+
+
+def _trace_waits(trace: Path) -> tuple[dict[str, int], dict[str, int]]:
+    """The host's waits over the whole profiled run, read from its exported Chrome trace: WAITS by name, device-to-host
+    copies ("Memcpy DtoH", on the GPU's side), and each CPU-side wait by the innermost two frames of exspec's code
+    around it (python_function events of its thread). The profiler's own event list held no Python frame around CUDA
+    runtime calls on an H100 (2026-11-27); the trace does."""
+    import bisect
+    from collections import defaultdict
+
+    events = json.loads(trace.read_text())["traceEvents"]
+    frames: dict = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "python_function" and "dur" in e:
+            frames[e.get("tid")].append(e)
+    for held in frames.values():
+        held.sort(key=lambda f: f["ts"])
+    counts: dict[str, int] = {}
+    sources: dict[str, int] = {}
+    for e in events:
+        name, cat = e.get("name", ""), e.get("cat", "")
+        if cat == "gpu_memcpy" and "DtoH" in name:
+            counts["Memcpy DtoH"] = counts.get("Memcpy DtoH", 0) + 1
+            continue
+        if name not in WAITS or cat == "python_function":
+            continue
+        counts[name] = counts.get(name, 0) + 1
+        thread = frames.get(e.get("tid"), [])
+        end = bisect.bisect_right([f["ts"] for f in thread], e["ts"]) if thread else 0
+        held = [f["name"] for f in thread[:end] if f["ts"] + f["dur"] >= e["ts"] and _ours(f["name"])]  # outermost first
+        key = f"{name}: {' > '.join(held[-2:]) or '(no Python frame)'}"
+        sources[key] = sources.get(key, 0) + 1
+    return counts, dict(sorted(sources.items(), key=lambda kv: -kv[1]))
 
 
 def _configs(text: str) -> list[tuple[int, int]]:
@@ -162,7 +211,8 @@ def main(argv=None) -> int:
             with torch.profiler.profile(activities=activities, with_stack=True) as prof:
                 _, psteps, _ = _run(engine, prompts, args.max_tokens, batch, k)
             suffix = "-compiled" if mode == "compiled" else ""
-            prof.export_chrome_trace(str(args.out / f"trace-B{batch}-k{k}{suffix}.json"))
+            trace = args.out / f"trace-B{batch}-k{k}{suffix}.json"
+            prof.export_chrome_trace(str(trace))
             events = prof.key_averages()
             per_step = max(psteps["n"], 1)
             whole = {e.key: e.count for e in events if e.key in SYNC_EVENTS}
@@ -170,6 +220,12 @@ def main(argv=None) -> int:
             inside, sources = _decode_syncs(prof)
             row["syncs_inside_decode_steps"] = {key: round(n / per_step, 2) for key, n in sorted(inside.items())}
             row["sync_sources"] = dict(sorted(sources.items(), key=lambda kv: -kv[1]))  # counts over the run
+            # the whole run's waits per engine step (decode and prefill steps: each makes one by design)
+            steps = max(row["decode_steps"] + row["prefill_steps"], 1)
+            waits, wait_sources = _trace_waits(trace)
+            row["engine_steps"] = steps
+            row["waits_per_engine_step"] = {key: round(n / steps, 2) for key, n in sorted(waits.items())}
+            row["wait_sources"] = wait_sources  # counts over the run
         rows.append(row)
         print(json.dumps(row), flush=True)
         (args.out / "profile.json").write_text(json.dumps(rows, indent=1) + "\n")

@@ -125,6 +125,7 @@ def test_profile_gpu_step_smoke_on_the_cpu(tmp_path, monkeypatch):
     from (the CPU makes no CUDA sync: `aten::cat`, which the step's commit calls once, stands in for one)."""
     profile = _script("profile_gpu_step")
     monkeypatch.setattr(profile, "SYNC_EVENTS", (*profile.SYNC_EVENTS, "aten::cat"))
+    monkeypatch.setattr(profile, "WAITS", (*profile.WAITS, "aten::cat"))
     common = ["--synthetic", "tiny", "--synthetic-cache", str(tmp_path / "syn"), "--device", "cpu", "--max-tokens", "6",
               "--prompt-len", "12"]
     assert profile.main(common + ["--configs", "1:0,2:2", "--modes", "eager,compiled", "--no-profile", "--repeats", "1",
@@ -143,3 +144,9 @@ def test_profile_gpu_step_smoke_on_the_cpu(tmp_path, monkeypatch):
                   if key.startswith("aten::cat: ") and "engine/engine.py(" in (own := key.split(" <- ")[0])
                   and own.endswith(": _commit"))
     assert commits == row["decode_steps"]  # one torch.cat in each decode step's commit, found by its frame
+    # the same from the exported trace, over the whole run (prefill steps too), per engine step
+    assert row["engine_steps"] == row["decode_steps"] + row["prefill_steps"]
+    assert row["waits_per_engine_step"]["aten::cat"] > 0
+    from_trace = sum(n for key, n in row["wait_sources"].items()
+                     if key.startswith("aten::cat: ") and "engine/engine.py(" in key and key.endswith(": _commit"))
+    assert from_trace >= row["decode_steps"]
