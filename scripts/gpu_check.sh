@@ -18,7 +18,8 @@
 # GPU_CHECK_MAX_TOKENS (synthetic tables: prompts, new tokens per prompt; default 16 / 32); GPU_CHECK_BATCH_SIZES
 # (default 1,8); GPU_CHECK_KS (default 3); GPU_CHECK_SHAPES (default 1b:120,8b:180: the synthetic
 # tables' pairs and stage limits); GPU_CHECK_AGREEMENT_SCALES (the scales swept by scripts/synthetic_agreement.py);
-# GPU_CHECK_SKIP (stage names not to run, comma-separated); GPU_CHECK_WHEELS (default: .whl): a folder of wheels
+# GPU_CHECK_SKIP (stage names not to run, comma-separated); GPU_CHECK_BENCH_COMPILE (the bench stages' --compile-mode:
+# cudagraph (default), inductor, or off for eager); GPU_CHECK_WHEELS (default: .whl): a folder of wheels
 # installed into /tmp/exspec-site before anything runs, see docs/GPU.md.
 #
 # Ran on an H100 on 2026-11-24 (docs/BENCHMARKS.md section 0), in four calls, stage by stage: the limits below are
@@ -44,6 +45,7 @@ BATCH_SIZES=${GPU_CHECK_BATCH_SIZES:-1,8}
 KS=${GPU_CHECK_KS:-3}
 SHAPES=${GPU_CHECK_SHAPES:-1b:120,8b:180}  # the synthetic tables: NAME:LIMIT_S, comma-separated
 SKIP=${GPU_CHECK_SKIP:-}  # stage names not to run, comma-separated
+BENCH_COMPILE_MODE=${GPU_CHECK_BENCH_COMPILE:-cudagraph}  # the bench stages' --compile-mode, or off
 AGREEMENT_SCALES=${GPU_CHECK_AGREEMENT_SCALES:-0.01,0.012,0.015}
 WHEELS=${GPU_CHECK_WHEELS:-.whl}
 SYNTHETIC_CACHE=${GPU_CHECK_SYNTHETIC_CACHE:-/tmp/exspec-synthetic}
@@ -182,15 +184,19 @@ stage kernel-bench-8b 60 "$PYTHON" scripts/bench_paged_kernel.py --heads 32 --kv
 stage kernel-bench-1b 60 "$PYTHON" scripts/bench_paged_kernel.py --heads 32 --kv-heads 8 --head-dim 64 \
     --json "$OUT_DIR/kernel-bench-1b.json"
 
-# 4. The synthetic tables (needs the CLI's dependencies): per shape one run, B = 1..64, the target alone, fixed k
-#    in 2, 4, 6 (rows exspec-fixed-kK) and exspec's own policy. One timed run per point (--repeats 1) to fit.
+# 4. The synthetic tables (needs the CLI's dependencies): per shape one run, the target alone, fixed k
+#    (rows exspec-fixed-kK) and exspec's own policy, every engine's forwards captured as CUDA graphs
+#    (GPU_CHECK_BENCH_COMPILE, default cudagraph: 0.1-0.2 s a batch size on an H100, where inductor compiled each
+#    engine's graphs for minutes; "off": eager). One timed run per point (--repeats 1) to fit.
 if [ "$HAVE_CLI" = 1 ]; then
+    BENCH_COMPILE=()
+    [ "$BENCH_COMPILE_MODE" != off ] && BENCH_COMPILE=(--compile --compile-mode "$BENCH_COMPILE_MODE")
     for shape_limit in ${SHAPES//,/ }; do
         shape=${shape_limit%%:*}
         stage "bench-$shape" "${shape_limit##*:}" "$PYTHON" -m exspec bench --synthetic "$shape" \
             --synthetic-cache "$SYNTHETIC_CACHE" --dtype bfloat16 --methods target-ar,exspec-fixed,exspec \
             --fixed-ks "$KS" --batch-sizes "$BATCH_SIZES" --num-prompts "$PROMPTS" --max-tokens "$MAX_TOKENS" \
-            --repeats 1 --no-progress --output "$OUT_DIR/bench-$shape"
+            "${BENCH_COMPILE[@]}" --repeats 1 --no-progress --output "$OUT_DIR/bench-$shape"
     done
 else
     skip bench "fastapi / uvicorn / pydantic-settings missing (docs/GPU.md: bring their wheels)"

@@ -62,6 +62,7 @@ def test_dry_run_plans_every_stage_the_gpu_issue_needs(tmp_path):
         assert flags["--synthetic"] == shape and flags["--batch-sizes"] == "1,8"
         assert flags["--fixed-ks"] == "3" and {"target-ar", "exspec"} <= set(flags["--methods"].split(","))
         assert flags["--output"] == str(tmp_path / "results" / f"bench-{shape}")  # everything into one folder
+        assert "--compile" in cmd and flags["--compile-mode"] == "cudagraph"  # captured, as the GPU is meant to run
 
 
 def test_planned_commands_parse(tmp_path):
