@@ -156,7 +156,8 @@ class BlockManager:
         """Return the slot's blocks (merged into the free runs); its table row goes back to the null block."""
         blocks = self._blocks[slot]
         if blocks:
-            self.block_table[slot, : len(blocks)].fill_(NULL_BLOCK)  # `= NULL_BLOCK` wrapped it in a CPU tensor and read it back
+            # fill_, not `= NULL_BLOCK` (which wraps the number in a CPU tensor and reads it back: an aten::item)
+            self.block_table[slot, : len(blocks)].fill_(NULL_BLOCK)
             self._tails.discard(blocks[-1])
             ordered = blocks if self._contiguous[slot] else sorted(blocks)
             first = prev = ordered[0]

@@ -113,7 +113,8 @@ def main(argv=None) -> int:
             # so in bf16 attention may sum in another order; a difference there must be a near-tie, as against eager.
             repeat = _classify(pair.target, prompts, first_tokens, tokens, vocab, eps)
             ok &= not repeat["real"]
-            out[compile_on] = dict(repeat=repeat, tokens=tokens, first_s=first_s, wall_s=wall, decode_s=summary.decode_seconds,
+            out[compile_on] = dict(repeat=repeat, tokens=tokens, first_s=first_s, wall_s=wall,
+                                   decode_s=summary.decode_seconds,
                                    decode_tok_s=summary.num_decode_tokens / summary.decode_seconds if summary.decode_seconds else 0.0,
                                    acceptance=summary.mean_acceptance_length, static_forwards=len(engine._static))
         against = _classify(pair.target, prompts, out[False]["tokens"], out[True]["tokens"], vocab, eps)
@@ -142,7 +143,8 @@ def main(argv=None) -> int:
              "| B | prompts | identical | near-ties | real divergences | repeat off / on: identical, near-ties, real | off tok/s | on tok/s | on / off | compile s (first run extra) | static forwards |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        rep = " / ".join(f"{r[f'{n}_repeat_identical']}, {r[f'{n}_repeat_near_ties']}, {len(r[f'{n}_repeat_real'])}" for n in ("off", "on"))
+        rep = " / ".join(f"{r[f'{n}_repeat_identical']}, {r[f'{n}_repeat_near_ties']}, {len(r[f'{n}_repeat_real'])}"
+                         for n in ("off", "on"))
         lines.append(f"| {r['batch']} | {r['prompts']} | {r['identical']} | {r['near_ties']} | {len(r['real_divergences'])} | {rep} | "
                      f"{r['off_decode_tok_s']} | {r['on_decode_tok_s']} | {r['speedup']} | {r['compile_s']} | {r['static_forwards']} |")
     (args.out / "compile_check.md").write_text("\n".join(lines) + "\n")

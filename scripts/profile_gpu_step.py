@@ -11,8 +11,8 @@ and the top operators by self CPU time; it writes a Chrome trace per configurati
     python scripts/profile_gpu_step.py --synthetic 1b --configs 1:0,1:2,8:2 [--compile] --out DIR
     python scripts/profile_gpu_step.py --synthetic 8b --configs 1:0,1:3 --modes eager,compiled --no-profile --out DIR
 
-Run on an H100 on 2026-11-24 and 2026-11-27 (docs/BENCHMARKS.md section 0); on the CPU it runs at tiny shapes (--synthetic tiny
---device cpu).
+Run on an H100 on 2026-11-24 and 2026-11-27 (docs/BENCHMARKS.md section 0); on the CPU it runs at tiny shapes
+(--synthetic tiny --device cpu).
 """
 
 from __future__ import annotations
@@ -112,6 +112,7 @@ def _trace_waits(trace: Path) -> tuple[dict[str, int], dict[str, int]]:
             frames[e.get("tid")].append(e)
     for held in frames.values():
         held.sort(key=lambda f: f["ts"])
+    starts = {tid: [f["ts"] for f in held] for tid, held in frames.items()}
     counts: dict[str, int] = {}
     sources: dict[str, int] = {}
     for e in events:
@@ -123,7 +124,7 @@ def _trace_waits(trace: Path) -> tuple[dict[str, int], dict[str, int]]:
             continue
         counts[name] = counts.get(name, 0) + 1
         thread = frames.get(e.get("tid"), [])
-        end = bisect.bisect_right([f["ts"] for f in thread], e["ts"]) if thread else 0
+        end = bisect.bisect_right(starts[e.get("tid")], e["ts"]) if thread else 0
         held = [f["name"] for f in thread[:end] if f["ts"] + f["dur"] >= e["ts"] and _ours(f["name"])]  # outermost first
         key = f"{name}: {' > '.join(held[-2:]) or '(no Python frame)'}"
         sources[key] = sources.get(key, 0) + 1
