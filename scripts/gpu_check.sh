@@ -198,13 +198,17 @@ if [ "$HAVE_CLI" = 1 ]; then
             --fixed-ks "$KS" --batch-sizes "$BATCH_SIZES" --num-prompts "$PROMPTS" --max-tokens "$MAX_TOKENS" \
             "${BENCH_COMPILE[@]}" --repeats 1 --no-progress --output "$OUT_DIR/bench-$shape"
     done
+    # 5. The server on the GPU: the 1b pair served captured, the default policy against k = 0, a burst and Poisson
+    #    4 and 16 requests/s (scripts/gpu_loadtest.sh; NOT YET RUN ON A GPU).
+    stage loadtest-1b 300 env PYTHON="$PYTHON" GPU_CHECK_SYNTHETIC_CACHE="$SYNTHETIC_CACHE" \
+        bash scripts/gpu_loadtest.sh "$OUT_DIR/loadtest-1b" 1b
 else
     skip bench "fastapi / uvicorn / pydantic-settings missing (docs/GPU.md: bring their wheels)"
 fi
 
 [ $DRY_RUN = 1 ] && exit 0
 
-# 5. One Markdown summary: the machine, each stage's status, then every table written above.
+# 6. One Markdown summary: the machine, each stage's status, then every table written above.
 {
     echo "# exspec GPU check, $(date -u +%Y-%m-%dT%H:%MZ), $((SECONDS - STARTED)) s of a ${BUDGET} s budget"
     echo
@@ -245,5 +249,13 @@ for line in open(sys.argv[1]):
         echo
         cat "$md"
     done
+    if [ -f "$OUT_DIR/loadtest-1b.log" ]; then
+        echo
+        echo "## loadtest-1b (the default policy against k = 0, served)"
+        echo
+        echo '```text'
+        tail -n 40 "$OUT_DIR/loadtest-1b.log"
+        echo '```'
+    fi
 } >"$OUT_DIR/summary.md"
 echo "gpu_check: wrote $OUT_DIR/summary.md" >&2

@@ -53,7 +53,7 @@ def test_dry_run_plans_every_stage_the_gpu_issue_needs(tmp_path):
     stages = _plan(tmp_path)
     assert set(stages) == {"kernel-tests", "gpu-tests", "bf16-equivalence", "synthetic-agreement", "compile-check",
                            "compile-check-cudagraph", "profile-eager", "profile-compiled", "speed-8b",
-                           "kernel-bench-8b", "kernel-bench-1b", "bench-1b", "bench-8b"}
+                           "kernel-bench-8b", "kernel-bench-1b", "bench-1b", "bench-8b", "loadtest-1b"}
     assert "tests/engine/test_engine_bf16.py" in stages["bf16-equivalence"]
     assert "tests/engine/test_cuda_graphs.py" in stages["gpu-tests"]
     for shape in ("1b", "8b"):
@@ -151,3 +151,22 @@ def test_profile_gpu_step_smoke_on_the_cpu(tmp_path, monkeypatch):
     from_trace = sum(n for key, n in row["wait_sources"].items()
                      if key.startswith("aten::cat: ") and "engine/engine.py(" in key and key.endswith(": _commit"))
     assert from_trace >= row["decode_steps"]
+
+
+@pytest.mark.models
+def test_gpu_loadtest_serves_both_sides_on_the_cpu(tmp_path):
+    """scripts/gpu_loadtest.sh (the GPU check's loadtest-1b stage) on the tiny synthetic pair on the CPU: the pair
+    built, a real server per side (the default policy, then k = 0), a burst of two requests each, the comparison."""
+    from tests.support.server_fixtures import free_port
+
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "DEVICE": "cpu", "SERVE_FLAGS": "--no-calibrate",
+           "RATES": "inf", "NUM_PROMPTS": "2", "MAX_TOKENS": "3", "PORT": str(free_port()),
+           "GPU_CHECK_SYNTHETIC_CACHE": str(tmp_path / "syn"), "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_loadtest.sh"), str(tmp_path / "lt"), "tiny"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    for side in ("default", "k0"):
+        report = json.loads((tmp_path / "lt" / f"{side}-inf-1.json").read_text())
+        assert report["completed"] == 2 and report["output_throughput"] > 0, report
+    assert "default/k0" in out.stdout and "output_throughput" in out.stdout  # the comparison's table
+    assert "--num-speculative-tokens 0" in out.stdout  # side B ran with speculation off
