@@ -16,9 +16,10 @@
 # Environment: PYTHON (default: .venv/bin/python if present, else python3); GPU_CHECK_BUDGET_S (default 600: a stage
 # that cannot finish inside what is left is cut to it, one with under 20 s left is skipped); GPU_CHECK_PROMPTS /
 # GPU_CHECK_MAX_TOKENS (synthetic tables: prompts, new tokens per prompt; default 16 / 32); GPU_CHECK_BATCH_SIZES
-# (default 1,8); GPU_CHECK_KS (default 3); GPU_CHECK_SHAPES (default 1b:120,8b:180: the synthetic
+# (default 1,8); GPU_CHECK_KS (default 3); GPU_CHECK_SHAPES (default 1b:180,8b:240: the synthetic
 # tables' pairs and stage limits); GPU_CHECK_AGREEMENT_SCALES (the scales swept by scripts/synthetic_agreement.py);
-# GPU_CHECK_SKIP (stage names not to run, comma-separated); GPU_CHECK_BENCH_COMPILE (the bench stages' --compile-mode:
+# GPU_CHECK_SKIP (stage names not to run, comma-separated); GPU_CHECK_BENCH_METHODS (the bench stages' --methods);
+# GPU_CHECK_BENCH_COMPILE (the bench stages' --compile-mode:
 # cudagraph (default), inductor, or off for eager); GPU_CHECK_WHEELS (default: .whl): a folder of wheels
 # installed into /tmp/exspec-site before anything runs, see docs/GPU.md.
 #
@@ -43,9 +44,10 @@ PROMPTS=${GPU_CHECK_PROMPTS:-16}
 MAX_TOKENS=${GPU_CHECK_MAX_TOKENS:-32}
 BATCH_SIZES=${GPU_CHECK_BATCH_SIZES:-1,8}
 KS=${GPU_CHECK_KS:-3}
-SHAPES=${GPU_CHECK_SHAPES:-1b:120,8b:180}  # the synthetic tables: NAME:LIMIT_S, comma-separated
+SHAPES=${GPU_CHECK_SHAPES:-1b:180,8b:240}  # the synthetic tables: NAME:LIMIT_S, comma-separated
 SKIP=${GPU_CHECK_SKIP:-}  # stage names not to run, comma-separated
 BENCH_COMPILE_MODE=${GPU_CHECK_BENCH_COMPILE:-cudagraph}  # the bench stages' --compile-mode, or off
+BENCH_METHODS=${GPU_CHECK_BENCH_METHODS:-target-ar,exspec-fixed,exspec,hf-generate,hf-assisted}
 AGREEMENT_SCALES=${GPU_CHECK_AGREEMENT_SCALES:-0.01,0.012,0.015}
 WHEELS=${GPU_CHECK_WHEELS:-.whl}
 SYNTHETIC_CACHE=${GPU_CHECK_SYNTHETIC_CACHE:-/tmp/exspec-synthetic}
@@ -185,7 +187,8 @@ stage kernel-bench-1b 60 "$PYTHON" scripts/bench_paged_kernel.py --heads 32 --kv
     --json "$OUT_DIR/kernel-bench-1b.json"
 
 # 4. The synthetic tables (needs the CLI's dependencies): per shape one run, the target alone, fixed k
-#    (rows exspec-fixed-kK) and exspec's own policy, every engine's forwards captured as CUDA graphs
+#    (rows exspec-fixed-kK), exspec's own policy, Hugging Face's generate and assisted generation (B = 1; eager, as
+#    a user runs them; GPU_CHECK_BENCH_METHODS), every engine's forwards captured as CUDA graphs
 #    (GPU_CHECK_BENCH_COMPILE, default cudagraph: 0.1-0.2 s a batch size on an H100, where inductor compiled each
 #    engine's graphs for minutes; "off": eager). One timed run per point (--repeats 1) to fit.
 if [ "$HAVE_CLI" = 1 ]; then
@@ -194,7 +197,7 @@ if [ "$HAVE_CLI" = 1 ]; then
     for shape_limit in ${SHAPES//,/ }; do
         shape=${shape_limit%%:*}
         stage "bench-$shape" "${shape_limit##*:}" "$PYTHON" -m exspec bench --synthetic "$shape" \
-            --synthetic-cache "$SYNTHETIC_CACHE" --dtype bfloat16 --methods target-ar,exspec-fixed,exspec \
+            --synthetic-cache "$SYNTHETIC_CACHE" --dtype bfloat16 --methods "$BENCH_METHODS" \
             --fixed-ks "$KS" --batch-sizes "$BATCH_SIZES" --num-prompts "$PROMPTS" --max-tokens "$MAX_TOKENS" \
             "${BENCH_COMPILE[@]}" --repeats 1 --no-progress --output "$OUT_DIR/bench-$shape"
     done
