@@ -16,9 +16,10 @@ shape=${2:-1b}
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 cache=${GPU_CHECK_SYNTHETIC_CACHE:-/tmp/exspec-synthetic}
 SERVE_FLAGS=${SERVE_FLAGS---dtype bfloat16 --compile --compile-mode cudagraph}
+DEVICE=${DEVICE:-cuda}
 mkdir -p "$out"
 # the pair: built once into the cache (seconds on a GPU), its two folders printed on the last line
-pair=$("$PYTHON" - "$shape" "$cache" "${DEVICE:-cuda}" <<'PY' | tail -1
+pair=$("$PYTHON" - "$shape" "$cache" "$DEVICE" <<'PY' | tail -1
 import sys
 from pathlib import Path
 
@@ -31,7 +32,7 @@ PY
 ) || exit 1
 read -r target draft <<<"$pair"
 [ -d "$target" ] && [ -d "$draft" ] || { echo "gpu_loadtest: no synthetic $shape pair (got: $pair)" >&2; exit 1; }
-flags="--model $target --draft-model $draft --device ${DEVICE:-cuda} $SERVE_FLAGS"
+flags="--model $target --draft-model $draft --device $DEVICE $SERVE_FLAGS"
 A_FLAGS="$flags" B_FLAGS="$flags --num-speculative-tokens 0" ROUNDS=${ROUNDS:-1} RATES=${RATES:-inf 4 16} \
   PYTHON=$PYTHON bash scripts/loadtest_ab.sh "$out" --tokenizer "$target" --ignore-eos \
   --max-tokens "${MAX_TOKENS:-64}" --num-prompts "${NUM_PROMPTS:-64}"

@@ -86,15 +86,15 @@ def _decode_syncs(prof) -> tuple[dict[str, int], dict[str, int]]:
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::item")
 
 
+PACKAGES = {p.parent.name for p in Path(CHECKOUT).glob("*/__init__.py")}  # engine, scheduler, server, ...
+
+
 def _ours(frame: str) -> bool:
     """A Python frame event's name ("path(line): function") in exspec's code: this checkout (the path relative to
     the working directory when run from the checkout, as scripts/gpu_check.sh does) or an installed `exspec`."""
     m = FRAME.match(frame)
     path = m.group(1) if m else frame
     return path.split("/")[0] in PACKAGES or path.startswith(CHECKOUT) or "/exspec/" in path
-
-
-PACKAGES = {p.parent.name for p in Path(CHECKOUT).glob("*/__init__.py")}  # engine, scheduler, server, ...
 
 
 def _trace_waits(trace: Path) -> tuple[dict[str, int], dict[str, int]]:

@@ -44,16 +44,22 @@ def pytest_generate_tests(metafunc) -> None:
         metafunc.parametrize("engine_compile", [False, True], ids=["nocompile", "compiled"], indirect=True)
 
 
+def use_triton(monkeypatch, cpu_engines: bool) -> None:
+    """Prepare a `triton` case. Without CUDA: Triton's interpreter on. On a CUDA machine the interpreter stays off
+    (set there, it sent every later launch, CUDA tensors too, to the interpreter, which fails: an H100, 2026-11-27),
+    so a case whose engines hold CPU tensors skips (seen failing on an H100, 2026-11-24); the kernel runs compiled in
+    test_paged_kernel.py, in test_attention_backends.py's unit cases and through the engine in test_engine_bf16.py."""
+    if not torch_cuda_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    elif cpu_engines:
+        pytest.skip("triton on CPU tensors needs the interpreter, which this CUDA machine's triton import did not enable")
+
+
 @pytest.fixture
 def attention_backend(request, monkeypatch) -> str:
     name = request.param
     if name == "triton":
-        if torch_cuda_available():
-            # These engines hold CPU tensors: the kernel would need Triton's interpreter, which is read when triton is
-            # first imported, and a CUDA machine imports it compiled (seen failing on an H100, 2026-11-24). There the
-            # kernel runs compiled in test_paged_kernel.py and through the engine in test_engine_bf16.py.
-            pytest.skip("triton on CPU tensors needs the interpreter, which this CUDA machine's triton import did not enable")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        use_triton(monkeypatch, cpu_engines=True)
     monkeypatch.setattr(backends, "default_backend", lambda device: name)
     return name
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.engine.conftest import BACKEND_PARAMS
+from tests.engine.conftest import BACKEND_PARAMS, use_triton
 from tests.engine.test_engine_equivalence import MIXED, MIXED_MAX, assert_matches_reference
 from tests.engine.test_kv_cache import _poison
 from tests.support.driver import admit, prefill, run_to_end, step
@@ -25,13 +25,8 @@ CPU = torch.device("cpu")
 
 @pytest.fixture
 def backend(request, monkeypatch):
-    if request.param == "triton":
-        if torch.cuda.is_available() and "models" in request.fixturenames:
-            # These engines hold CPU tensors: the kernel would need Triton's interpreter, which a CUDA machine's triton
-            # import does not enable (seen failing on an H100, 2026-11-27). The unit cases above run it compiled there.
-            pytest.skip("triton on CPU tensors needs the interpreter, which this CUDA machine's triton import did not enable")
-        if not torch.cuda.is_available():  # set on a CUDA machine, it sent every later launch (CUDA tensors too) to
-            monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter, which fails there (an H100, 2026-11-27)
+    if request.param == "triton":  # the engine-level cases build CPU engines (the `models` fixture)
+        use_triton(monkeypatch, cpu_engines="models" in request.fixturenames)
     return request.param
 
 
