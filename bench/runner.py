@@ -7,7 +7,8 @@ Every method decodes the same prompts greedily to the same `max_tokens`, and is 
 "wall time of the whole offline run" starts when the first prompt is handed over and ends when the last
 token is on the host: prefill, scheduling, padding and every decode step are inside it; model loading,
 engine construction (KV pool allocation) and the warm-up run are not. The median over `repeats` timed
-runs is reported (methods interleaved within each repeat, so noise from other jobs spreads evenly).
+runs is reported (methods interleaved within each repeat, in reverse order every other repeat: `repeat_order`,
+so noise from other jobs spreads evenly).
 
 Methods (`METHODS`):
 - `target-ar`: the target alone through our engine and scheduler, k = 0, pool W = B.
@@ -125,6 +126,15 @@ def _fixed_k(method: str) -> int | None:
     return int(method[len(prefix):]) if method.startswith(prefix) else None
 
 
+def repeat_order(methods: list[str], repeat: int) -> list[str]:
+    """The order the methods run in timed repeat `repeat` (from 0): as given in even repeats, reversed in odd ones.
+    A slow spell of the machine that starts or ends during a repeat then does not fall on the same methods each
+    time: in one fixed order `exspec`, last, ran after seven others in every repeat of the 350m protocol, and in
+    session 22's run 6 a slowdown over the second half of one repeat cost it alone 12% (docs/BENCHMARKS.md
+    section 2). Over two consecutive repeats every method's mean position is the same."""
+    return list(methods) if repeat % 2 == 0 else list(reversed(methods))
+
+
 def _base(method: str) -> str:
     """The method a point runs: exspec-fixed-kK is exspec-fixed at k = K."""
     return "exspec-fixed" if _fixed_k(method) is not None else method
@@ -191,8 +201,8 @@ class Bench:
                     self._set(bar, f"warm-up {m} B={b}")
                     runners[(m, b)](self.prompts)  # the timed workload, untimed (see `warmup` in BenchConfig)
                     _tick(bar)
-            for _ in range(cfg.repeats):
-                for m in at_b:
+            for r in range(cfg.repeats):
+                for m in repeat_order(at_b, r):
                     self._set(bar, f"{m} B={b}")
                     run = runners[(m, b)](self.prompts)
                     runs.setdefault((m, b), []).append(run)

@@ -12,6 +12,7 @@ import pytest
 
 from exspec.bench.equivalence import classify_divergences, first_divergence, top2_gap, top2_gaps_along
 from exspec.bench.report import NO_PLOT, markdown, paired_ratios, write_results
+from exspec.bench.runner import repeat_order
 from exspec.cli.main import main
 from exspec.data.reference import read_reference
 from exspec.scheduler import SchedulerConfig
@@ -322,6 +323,26 @@ def test_fixed_ks_rows_and_the_default_policy_against_the_best(pair, tmp_path):
     best = max(fixed, key=fixed.get)
     assert f"| 1 | {best} | {rows['exspec']['tokens_per_s'] / fixed[best]:.2f}x |" in md
     assert "The default policy's steps" in md
+
+
+def test_repeats_run_the_methods_forward_then_backward(pair, tmp_path, capsys):
+    """Each timed repeat runs every method once, in the given order in even repeats and reversed in odd ones, so that a
+    slow spell late in a repeat does not fall on the same (last) method every time; over two repeats each method's
+    mean position is the same. Read from the real run's log lines, which come as each run ends."""
+    methods = ["target-ar", "exspec-fixed-k0", "exspec"]
+    assert repeat_order(methods, 0) == methods and repeat_order(methods, 1) == methods[::-1]
+    assert repeat_order(methods, 2) == methods and methods == ["target-ar", "exspec-fixed-k0", "exspec"]
+    positions = {m: sum(repeat_order(methods, r).index(m) for r in (4, 5)) for m in methods}
+    assert set(positions.values()) == {len(methods) - 1}
+    target, draft = pair
+    rc = main([
+        "bench", "--model", str(target), "--draft-model", str(draft), "--num-prompts", "1", "--max-tokens", "2",
+        "--batch-sizes", "1", "--methods", "target-ar,exspec-fixed,exspec", "--fixed-ks", "0", "--repeats", "3",
+        "--max-prompt-len", "64", "--no-warmup", "--no-progress", "--output", str(tmp_path), "--device", "cpu",
+    ])
+    assert rc == 0
+    ran = [line.split(" ")[1] for line in capsys.readouterr().err.splitlines() if line.startswith("[bench] ")]
+    assert ran == methods + methods[::-1] + methods
 
 
 @pytest.mark.parametrize("flag", ["--calibrate", "--no-calibrate"])
