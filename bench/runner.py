@@ -129,9 +129,8 @@ def _fixed_k(method: str) -> int | None:
 def repeat_order(methods: list[str], repeat: int) -> list[str]:
     """The order the methods run in timed repeat `repeat` (from 0): as given in even repeats, reversed in odd ones.
     A slow spell of the machine that starts or ends during a repeat then does not fall on the same methods each
-    time: in one fixed order `exspec`, last, ran after seven others in every repeat of the 350m protocol, and in
-    session 22's run 6 a slowdown over the second half of one repeat cost it alone 12% (docs/BENCHMARKS.md
-    section 2). Over two consecutive repeats every method's mean position is the same."""
+    time (in one fixed order `exspec` ran last in every repeat: docs/BENCHMARKS.md section 2, session 22). Over two
+    consecutive repeats every method's mean position is the same."""
     return list(methods) if repeat % 2 == 0 else list(reversed(methods))
 
 
