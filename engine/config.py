@@ -83,8 +83,8 @@ class EngineConfig:
     gemm: str = "auto"  # "auto" | "packed" | "default": oneDNN-prepacked linears for multi-row CPU forwards
     # The draft's forwards and the verify through compiled static-shape forwards (engine/static_forward.py). Off by
     # default on every device: on the CPU it is a capturability proof, not a speed-up; on CUDA it is a 2x to 7.6x
-    # faster decode step (one H100, docs/BENCHMARKS.md section 0) but each (bucket, Q) compiles for 30-70 s at its
-    # first use, which a server does not yet do before serving.
+    # faster decode step (one H100, docs/BENCHMARKS.md section 0). compile_mode "inductor" compiles each (bucket, Q)
+    # for 30-70 s at its first use; "cudagraph" captures them all when the engine starts (SpecEngine.prepare_static).
     compile: bool = False
     compile_mode: str = "inductor"  # one of COMPILE_MODES: how `compile` makes them fast
 

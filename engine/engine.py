@@ -125,6 +125,8 @@ class SpecEngine:
         cudagraph = config.compile and config.compile_mode == "cudagraph"
         self._graph_pool = torch.cuda.graph_pool_handle() if cudagraph else None
         self._warm_up()
+        if cudagraph:  # every graph before the first request: none is captured in the serving loop
+            self.prepare_static()
 
     # ------------------------------------------------------------------ admission
 
@@ -478,13 +480,41 @@ class SpecEngine:
             return runner.extend(tokens, starts, slots, force_per_row=mixed)
         key = (runner is self.draft, bucket_for(tokens.shape[0]), tokens.shape[1])
         static = self._static.get(key)
-        if static is None:
-            static = self._static[key] = StaticForward(runner, key[1], key[2])
-            if self._graph_pool is not None:  # compile_mode "cudagraph"
-                static.capture(self._graph_pool)
-            else:
-                static.compile()
+        if static is None:  # compile_mode "inductor": built at its first use (cudagraph: all at start)
+            static = self._build_static(key)
         return static.run(tokens, starts, slots)
+
+    def static_keys(self) -> list[tuple[bool, int, int]]:
+        """Every (draft?, bucket, Q) static forward a step of this engine can run with `config.compile`: the
+        verify's Q = k + 1 for k = 0 .. max_k, the draft's first forward of width 1 or 2 (2 after a full accept)
+        and its later ones of 1, at each power-of-two bucket up to max_num_seqs (graph_memory_bytes' estimate
+        counts the same set)."""
+        largest = bucket_for(self.config.max_num_seqs)
+        buckets = [1 << i for i in range(largest.bit_length())]  # 1, 2, 4 .. largest
+        keys = [(False, b, q) for b in buckets for q in range(1, self.max_k + 2)]
+        if self.draft is not None and self.max_k:
+            keys += [(True, b, q) for b in buckets for q in (1, 2)]
+        return keys
+
+    def prepare_static(self) -> int:
+        """Build every static forward of `static_keys` now (compile_mode "cudagraph": the engine does it when it
+        starts, so no request waits for a capture, its warm-up forwards and Triton's compile of a new kernel
+        variant in the serving loop, as the first GPU load test's did: docs/BENCHMARKS.md section 0). Returns how
+        many were built."""
+        missing = [key for key in self.static_keys() if key not in self._static]
+        for key in missing:
+            self._build_static(key)
+        return len(missing)
+
+    def _build_static(self, key: tuple[bool, int, int]) -> StaticForward:
+        """The static forward of one (draft?, bucket, Q): captured (compile_mode "cudagraph") or compiled."""
+        runner = self.draft if key[0] else self.target
+        static = self._static[key] = StaticForward(runner, key[1], key[2])
+        if self._graph_pool is not None:  # compile_mode "cudagraph"
+            static.capture(self._graph_pool)
+        else:
+            static.compile()
+        return static
 
     def _verify(self, plan: StepPlan, draft: Draft | None) -> torch.Tensor:
         """One target forward over [pending, d_1 .. d_k] per row: logits [B, k + 1, V]."""

@@ -27,8 +27,9 @@
 # those runs' times with room (kernel tests 87 s, bf16 40 s but 61 s on a fresh machine on 2026-11-27, agreement 23 s,
 # a compile-check bucket about 30 s to compile, the 8b pair about 60 s to build and each captured 8b configuration
 # 40-70 s). On 2026-11-27 (15 minutes of device time): kernel tests 70 s, gpu-tests 52 s, compile-check-cudagraph 36 s,
-# profile-eager 47-60 s. The bench stages have not run to the end yet: eager they did not fit a stage (2026-11-24); now
-# captured with cudagraph (0.1-0.2 s a batch size), they are not yet run on a GPU. They run last.
+# profile-eager 47-60 s. The bench and loadtest stages, first run on 2026-11-27 (third session, one warm machine):
+# bench-1b 101 s with its pair already built (B = 1, 8, 16 prompts; with B = 1, 8, 32 and 32 prompts it did not fit
+# 180 s), bench-8b 191 s building the 8b pair, loadtest-1b 192 s. They run last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
