@@ -17,7 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from exspec.bench.config import DEFAULT_REPEATS, OPTIONS, BenchConfig
-from exspec.bench.runner import NEAR_TIE_EPS, TIMING, Bench, BenchError
+from exspec.bench.equivalence import NEAR_TIE_EPS, NEAR_TIE_ULPS
+from exspec.bench.runner import TIMING, Bench, BenchError
 from exspec.engine.config import EngineConfig
 
 
@@ -130,7 +131,8 @@ def _throughput(args, template: EngineConfig, resolve_models, resolve_engine: Re
                          + "; exspec-fixed and exspec-mixed: fixed k",
         "repeats": config.repeats,
         "tokens/s": TIMING,
-        "near-tie": f"reference top-2 logit gap < {NEAR_TIE_EPS[config.dtype]} at the first differing position",
+        "near-tie": (f"reference top-2 logit gap < {NEAR_TIE_EPS[config.dtype]}, or <= {NEAR_TIE_ULPS} units in the last "
+                     f"place of the top-1 logit in {config.dtype}, at the first differing position"),
     })
     paths = write_results(rows, args.output, meta)
     print(paths["md"].read_text(), end="")

@@ -26,7 +26,8 @@ Methods (`METHODS`):
 
 Output equivalence is measured against `target-ar` at B = 1, per prompt: identical generated token ids, or
 a divergence, classified as a near-tie when the reference's top-2 logit gap at the first differing position
-(the target run on prompt + reference prefix, in the benchmark's dtype) is below `NEAR_TIE_EPS[dtype]`.
+(the target run on prompt + reference prefix, in the benchmark's dtype) is below `NEAR_TIE_EPS[dtype]` or within two
+units in the last place of the top-1 logit in that dtype (equivalence.is_near_tie).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ import torch
 from exspec.bench.equivalence import (
     NEAR_TIE_EPS,
     classify_divergences,
-    top2_gap,
     top2_gaps_along,
+    top2_logits,
 )
 from exspec.data import (
     DatasetError,
@@ -158,7 +159,7 @@ class Bench:
                 f"--max-model-len ({config.max_model_len}): lower --max-tokens or raise --max-model-len"
             )
         self.pad_id = self._pad_id()
-        self._gap_cache: dict[tuple[int, int], float] = {}
+        self._gap_cache: dict[tuple[int, int], tuple[float, float]] = {}
         self._policies: dict[tuple[str, int], SpeculationPolicy] = {}  # (method, B) -> the policy it kept
         self.reference: list[list[int]] | None = None  # target-ar B = 1 outputs, once run() is done
 
@@ -423,7 +424,7 @@ class Bench:
     # ------------------------------------------------------------------ equivalence
 
     def _divergences(self, outputs: list[list[int]], reference: list[list[int]]) -> list[dict]:
-        return classify_divergences(outputs, reference, self._top2_gap, NEAR_TIE_EPS[self.config.dtype])
+        return classify_divergences(outputs, reference, self._top2, self.config.dtype)
 
     def reference_rows(self) -> list[ReferenceRow]:
         """The target-alone outputs of `run()` in the reference-file format of the load test, with the
@@ -439,11 +440,11 @@ class Bench:
             for prompt, out in zip(self.prompts, self.reference)
         ]
 
-    def _top2_gap(self, i: int, prefix: list[int]) -> float:
-        """The reference's top-2 logit gap after prompt i + prefix, cached (methods often diverge alike)."""
+    def _top2(self, i: int, prefix: list[int]) -> tuple[float, float]:
+        """The reference's top-1 and top-2 logits after prompt i + prefix, cached (methods often diverge alike)."""
         key = (i, len(prefix))
         if key not in self._gap_cache:
-            self._gap_cache[key] = top2_gap(self.pair.target, self.prompts[i] + prefix, self.pair.vocab_size)
+            self._gap_cache[key] = top2_logits(self.pair.target, self.prompts[i] + prefix, self.pair.vocab_size)
         return self._gap_cache[key]
 
 

@@ -9,8 +9,8 @@ throughput of both, the first (compiling) run timed apart. Writes compile_check.
 directly instead of compiling them. On the CPU compile on is a capturability proof (`aot_eager`), not a speed-up. On CUDA it compiles the static draft
 and verify forwards with mode="reduce-overhead" (CUDA graphs); scripts/gpu_check.sh runs it (on an H100, 2026-11-24:
 B = 1 identical but for a near-tie, 6.0x, 30.6 s to compile). In fp32 the outputs must be identical; in bf16 a padded bucket
-changes GEMM shapes, so outputs may differ at near-ties only: a divergence whose reference top-2 logit gap is above
-exspec.bench.equivalence.NEAR_TIE_EPS fails the check (exit 1). Each engine runs the prompts twice; its second run
+changes GEMM shapes, so outputs may differ at near-ties only: a divergence that is not a near-tie of the reference's
+top-2 logits (exspec.bench.equivalence.is_near_tie) fails the check (exit 1). Each engine runs the prompts twice; its second run
 (other blocks, freed by the first) is held to the same rule against its first (an H100 gave 1 near-tie in 16 at B = 8).
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from exspec.bench.equivalence import NEAR_TIE_EPS, first_divergence
+from exspec.bench.equivalence import first_divergence, is_near_tie, top2_logits
 from exspec.bench.synthetic import DEFAULT_CACHE, SHAPES, ensure_synthetic_pair
 from exspec.engine import EngineConfig, SamplingParams, SpecEngine
 from exspec.engine.config import COMPILE_MODES
@@ -48,29 +48,26 @@ def _run(engine, prompts, max_tokens, batch, k):
     return [r.token_ids for r in results], summary, time.perf_counter() - start
 
 
-def _classify(model, prompts, refs, outs, vocab, eps) -> dict:
+def _classify(model, prompts, refs, outs, vocab, half: str | None) -> dict:
     """outs against refs, prompt by prompt: identical, diverging at a near-tie of the reference's top-2 logits
-    (bf16/fp16 only, eps from NEAR_TIE_EPS), or a real divergence (position and gap)."""
+    (half: the bf16/fp16 dtype, near-ties by exspec.bench.equivalence.is_near_tie; None in fp32: none allowed), or a
+    real divergence (position and gap)."""
     identical, near_ties, real = 0, 0, []
     for prompt, a, b in zip(prompts, refs, outs):
         pos = first_divergence(b, a)
         if pos is None:
             identical += 1
             continue
-        tie, gap = _near_tie(model, prompt, a, pos, vocab, eps) if eps else (False, float("nan"))
+        tie, gap = _near_tie(model, prompt, a, pos, vocab, half) if half else (False, float("nan"))
         near_ties += tie
         if not tie:
             real.append({"position": pos, "top2_gap": gap})
     return {"identical": identical, "near_ties": near_ties, "real": real}
 
 
-def _near_tie(model, prompt, ref, pos, vocab, eps) -> tuple[bool, float]:
-    with torch.inference_mode():
-        ids = torch.tensor([prompt + ref[:pos]], device=next(model.parameters()).device)
-        logits = model(ids).logits[0, -1, :vocab].float()
-    top2 = torch.topk(logits, 2).values
-    gap = float(top2[0] - top2[1])
-    return gap < eps, gap
+def _near_tie(model, prompt, ref, pos, vocab, dtype: str) -> tuple[bool, float]:
+    first, second = top2_logits(model, prompt + ref[:pos], vocab)
+    return is_near_tie(first - second, first, dtype), first - second
 
 
 def parser() -> argparse.ArgumentParser:
@@ -98,7 +95,7 @@ def main(argv=None) -> int:
                   max_num_speculative_tokens=args.num_speculative_tokens)
     pair = load_model_pair(EngineConfig(**fields))
     vocab = pair.vocab_size
-    eps = NEAR_TIE_EPS.get(dtype, 0.0) if dtype not in ("float32", "fp32") else 0.0
+    half = dtype if dtype not in ("float32", "fp32") else None
     rng = random.Random(0)
     rows, ok = [], True
     for batch in args.batch_sizes:
@@ -113,13 +110,13 @@ def main(argv=None) -> int:
             tokens, summary, wall = _run(engine, prompts, args.max_tokens, batch, args.num_speculative_tokens)
             # The same engine twice: its second run places the rows' blocks differently (blocks freed by the first),
             # so in bf16 attention may sum in another order; a difference there must be a near-tie, as against eager.
-            repeat = _classify(pair.target, prompts, first_tokens, tokens, vocab, eps)
+            repeat = _classify(pair.target, prompts, first_tokens, tokens, vocab, half)
             ok &= not repeat["real"]
             out[compile_on] = dict(repeat=repeat, tokens=tokens, first_s=first_s, wall_s=wall, start_s=start_s,
                                    decode_s=summary.decode_seconds,
                                    decode_tok_s=summary.num_decode_tokens / summary.decode_seconds if summary.decode_seconds else 0.0,
                                    acceptance=summary.mean_acceptance_length, static_forwards=len(engine._static))
-        against = _classify(pair.target, prompts, out[False]["tokens"], out[True]["tokens"], vocab, eps)
+        against = _classify(pair.target, prompts, out[False]["tokens"], out[True]["tokens"], vocab, half)
         ok &= not against["real"]
         row = {"batch": batch, "prompts": len(prompts), "identical": against["identical"],
                "near_ties": against["near_ties"], "real_divergences": against["real"]}

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from exspec.bench.equivalence import classify_divergences, first_divergence, top2_gap, top2_gaps_along
+from exspec.bench.equivalence import classify_divergences, first_divergence, is_near_tie, top2_gap, top2_gaps_along, ulp
 from exspec.bench.report import NO_PLOT, markdown, paired_ratios, write_results
 from exspec.bench.runner import repeat_order
 from exspec.cli.main import main
@@ -140,14 +140,28 @@ def test_divergences_are_classified_by_the_reference_gap():
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 5, 3], [1, 2, 3]) == 1
     assert first_divergence([1, 2], [1, 2, 3]) == 2
-    gaps = {(0, 1): 1e-5, (1, 0): 2.0}
+    top2 = {(0, 1): (3.0, 3.0 - 2**-17), (1, 0): (5.0, 3.0)}  # gaps 2**-17 (exact in fp32) and 2.0
     found = classify_divergences(
-        [[7, 8], [9], [4]], [[7, 9], [3], [4]], lambda i, prefix: gaps[(i, len(prefix))], eps=1e-3
+        [[7, 8], [9], [4]], [[7, 9], [3], [4]], lambda i, prefix: top2[(i, len(prefix))], "float32"
     )
     assert found == [
-        {"prompt": 0, "position": 1, "gap": 1e-5, "kind": "near-tie"},
-        {"prompt": 1, "position": 0, "gap": 2.0, "kind": "real"},
+        {"prompt": 0, "position": 1, "gap": 2**-17, "top1": 3.0, "kind": "near-tie"},
+        {"prompt": 1, "position": 0, "gap": 2.0, "top1": 5.0, "kind": "real"},
     ]
+
+
+def test_a_gap_of_a_bf16_step_is_a_near_tie_where_bf16_logits_are_that_coarse():
+    """bf16 logits in [8, 16) are 0.0625 apart, in [2, 4) 0.015625: a gap of 0.0625 (above NEAR_TIE_EPS's 0.05) is one
+    step at a top-1 of 10, a near-tie, and four steps at a top-1 of 3, real (the H100's 8b runs: every 0.05-real
+    divergence, Hugging Face's own generate's included, sat at exactly 0.0625)."""
+    assert ulp(10.0, "bfloat16") == 0.0625 and ulp(3.0, "bfloat16") == 2**-6 and ulp(-10.0, "bfloat16") == 0.0625
+    assert ulp(0.0, "bfloat16") == 0.0 and ulp(1.0, "float32") == 2**-23
+    assert is_near_tie(0.0625, 10.0, "bfloat16") and is_near_tie(0.125, 10.0, "bfloat16")
+    assert not is_near_tie(0.1875, 10.0, "bfloat16") and not is_near_tie(0.0625, 3.0, "bfloat16")
+    assert is_near_tie(0.04, 3.0, "bfloat16")  # below NEAR_TIE_EPS at any magnitude
+    assert not is_near_tie(0.0625, 10.0, "float32") and not is_near_tie(2e-3, 100.0, "float32")  # fp32: eps only
+    found = classify_divergences([[1], [2]], [[3], [4]], lambda i, prefix: [(10.0, 9.9375), (3.0, 2.9375)][i], "bfloat16")
+    assert [f["kind"] for f in found] == ["near-tie", "real"]
 
 
 def test_the_reference_file_holds_the_target_alone_with_its_gaps(bench_dir, rows, pair):
