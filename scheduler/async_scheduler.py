@@ -15,7 +15,8 @@ from exspec.errors import InvalidRequestError
 from exspec.engine.params import SamplingParams
 from exspec.scheduler.core import Delta, EngineProtocol, SchedulerCore
 from exspec.scheduler.request import Request
-from exspec.scheduler.types import QueueFullError, RequestOutput, SchedulerClosedError, SchedulerConfig, StepStats
+from exspec.scheduler.types import (QueueFullError, RequestOutput, SchedulerClosedError, SchedulerConfig, StepStats,
+                                    merge_deltas)
 
 log = logging.getLogger("exspec.scheduler")
 
@@ -38,6 +39,10 @@ class RequestStream:
         if self._done:
             raise StopAsyncIteration
         out = await self._queue.get()
+        # Deltas that queued up while the reader was busy (a loaded event loop) leave as one, so the per-delta cost
+        # downstream (an SSE event: its JSON, a socket write) is paid once per read, not once per engine step.
+        while not out.finished and not self._queue.empty():
+            out = merge_deltas(out, self._queue.get_nowait())
         self._done = out.finished
         return out
 

@@ -4,7 +4,7 @@ SchedulerConfig's defaults are the command line's (exspec.cli.settings reads the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from exspec.engine.config import check_num_speculative_tokens
 from exspec.errors import ExspecError, QueueFullError, SchedulerClosedError  # noqa: F401 (re-exported)
@@ -83,6 +83,13 @@ class RequestOutput:
     num_draft_tokens: int = 0  # draft tokens proposed for this request so far
     num_accepted_tokens: int = 0  # of those, accepted so far
     queue_time_s: float | None = None  # on the first delta: seconds from submit() to first scheduled
+
+
+def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """`then` following `first` as one delta: tokens and text joined, the rest `then`'s (the totals so far, the
+    finish), queue_time_s the first delta's."""
+    return replace(then, token_ids=first.token_ids + then.token_ids, text=first.text + then.text,
+                   queue_time_s=first.queue_time_s if first.queue_time_s is not None else then.queue_time_s)
 
 
 @dataclass(frozen=True)

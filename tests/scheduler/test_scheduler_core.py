@@ -451,3 +451,34 @@ def test_an_offline_summary_counts_a_fused_prefills_drafts():
     assert summary.steps == {"grouped": 0, "mixed": 0, "prefill": 1}
     assert summary.mean_acceptance_length == 4.0 and summary.acceptance_rate == 1.0
     assert summary.num_decode_tokens == 0 and summary.decode_seconds == 0.0  # decode figures stay decode only
+
+
+async def test_deltas_queued_before_a_read_leave_as_one():
+    """A loaded event loop reads a stream less often than the engine steps: what queued up meanwhile is one delta
+    (tokens and text joined, the latest totals and finish, the first delta's queue time), so the server writes one
+    SSE event for it; a delta read as soon as it came stays alone."""
+    from exspec.scheduler import RequestStream
+    from exspec.scheduler.types import RequestOutput
+
+    def delta(ids, text, done=False, queue_time=None):
+        return RequestOutput("r", ids, text, done, "length" if done else None, 4, 0, queue_time_s=queue_time)
+
+    stream = RequestStream("r")
+    stream._push(delta((1,), "a", queue_time=0.5))
+    assert await stream.__anext__() == delta((1,), "a", queue_time=0.5)
+    for d in (delta((2, 3), "bc"), delta((4,), "d"), delta((5,), "e", done=True)):
+        stream._push(d)
+    merged = await stream.__anext__()
+    assert (merged.token_ids, merged.text, merged.finished, merged.finish_reason) == ((2, 3, 4, 5), "bcde", True, "length")
+    assert merged.queue_time_s is None
+    with pytest.raises(StopAsyncIteration):
+        await stream.__anext__()
+    stream = RequestStream("s")
+    for d in (delta((1,), "a", queue_time=0.25), delta((2,), "b")):
+        stream._push(d)
+    assert [(o.token_ids, o.text, o.queue_time_s) async for o in _until_finished(stream, 1)] == [((1, 2), "ab", 0.25)]
+
+
+async def _until_finished(stream, reads):
+    for _ in range(reads):
+        yield await stream.__anext__()
