@@ -6,7 +6,7 @@ load it with the load test, e.g.
     python -m exspec.loadtest --base-url http://127.0.0.1:8811/v1 --dataset random --random-input-len 32 \\
         --random-output-len 64 --num-prompts 64 --request-rate inf --tokenizer /tmp/exspec-fake-tok --no-progress
 
-The tokenizer is the tests' tiny BPE tokenizer, written to --tokenizer-dir. docs/BENCHMARKS.md section 9 has the
+The tokenizer is the tests' tiny BPE tokenizer, written to --tokenizer-dir. docs/BENCHMARKS.md section 7 has the
 figures. A development tool: it imports the tests' fake engine, so it runs from a source checkout only.
 """
 
