@@ -204,7 +204,7 @@ if [ "$HAVE_CLI" = 1 ]; then
     done
     # 5. The server on the GPU: the 1b pair served captured, the default policy against k = 0, a burst and Poisson
     #    4 and 16 requests/s (scripts/gpu_loadtest.sh; NOT YET RUN ON A GPU).
-    stage loadtest-1b 300 env PYTHON="$PYTHON" GPU_CHECK_SYNTHETIC_CACHE="$SYNTHETIC_CACHE" \
+    stage loadtest-1b 420 env PYTHON="$PYTHON" GPU_CHECK_SYNTHETIC_CACHE="$SYNTHETIC_CACHE" \
         bash scripts/gpu_loadtest.sh "$OUT_DIR/loadtest-1b" 1b
 else
     skip bench "fastapi / uvicorn / pydantic-settings missing (docs/GPU.md: bring their wheels)"

@@ -22,7 +22,7 @@ for r in $(seq "$ROUNDS"); do
     # shellcheck disable=SC2086
     "$PYTHON" -m exspec serve --port "$PORT" --log-level warning $flags > "$out/serve-$mode-$r.log" 2>&1 &
     pid=$!
-    for _ in $(seq 240); do healthy && break; sleep 0.5; done
+    for _ in $(seq 720); do healthy && break; sleep 0.5; done  # a captured GPU server captures its graphs first
     for rate in $RATES; do
       load=$(cut -d' ' -f1 /proc/loadavg)
       "$PYTHON" -m exspec.loadtest --base-url "http://127.0.0.1:$PORT/v1" --request-rate "$rate" \
