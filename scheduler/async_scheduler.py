@@ -27,6 +27,7 @@ class RequestStream:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._held: RequestOutput | None = None  # an error delta taken from the queue, read next
         self._done = False
 
     def _push(self, out: RequestOutput) -> None:
@@ -38,11 +39,16 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        out = await self._queue.get()
+        out, self._held = (self._held, None) if self._held is not None else (await self._queue.get(), None)
         # Deltas that queued up while the reader was busy (a loaded event loop) leave as one, so the per-delta cost
-        # downstream (an SSE event: its JSON, a socket write) is paid once per read, not once per engine step.
+        # downstream (an SSE event: its JSON, a socket write) is paid once per read, not once per engine step. An
+        # error stays a delta of its own: a reader reports it instead of its delta's text.
         while not out.finished and not self._queue.empty():
-            out = merge_deltas(out, self._queue.get_nowait())
+            later = self._queue.get_nowait()
+            if later.finish_reason == "error":
+                self._held = later
+                break
+            out = merge_deltas(out, later)
         self._done = out.finished
         return out
 

@@ -477,6 +477,13 @@ async def test_deltas_queued_before_a_read_leave_as_one():
     for d in (delta((1,), "a", queue_time=0.25), delta((2,), "b")):
         stream._push(d)
     assert [(o.token_ids, o.text, o.queue_time_s) async for o in _until_finished(stream, 1)] == [((1, 2), "ab", 0.25)]
+    stream = RequestStream("e")  # an error is never merged into the text before it: the reader reports it alone
+    failed = RequestOutput("e", (), "", True, "error", 4, 2, error="boom")
+    for d in (delta((1,), "a"), delta((2,), "b"), failed):
+        stream._push(d)
+    assert [(o.token_ids, o.finish_reason) async for o in _until_finished(stream, 2)] == [((1, 2), None), ((), "error")]
+    with pytest.raises(StopAsyncIteration):
+        await stream.__anext__()
 
 
 async def _until_finished(stream, reads):
