@@ -46,11 +46,11 @@ def classify_divergences(outputs: list[list[int]], references: list[list[int]],
         j = first_divergence(out, ref)
         if j is None:
             continue
+        first, g, kind = None, None, "real"
         if j < len(ref):
             first, second = top2(i, ref[:j])
-            g, kind = first - second, "near-tie" if is_near_tie(first - second, first, dtype) else "real"
-        else:
-            first, g, kind = None, None, "real"
+            g = first - second
+            kind = "near-tie" if is_near_tie(g, first, dtype) else "real"
         found.append({"prompt": i, "position": j, "gap": g, "top1": first, "kind": kind})
     return found
 
@@ -67,14 +67,8 @@ def top2_logits(model, token_ids: list[int], vocab_size: int) -> tuple[float, fl
     return float(top[0]), float(top[1])
 
 
-def top2_gap(model, token_ids: list[int], vocab_size: int) -> float:
-    """Top-1 minus top-2 next-token logit of a Hugging Face causal LM after token_ids (one forward, no cache)."""
-    first, second = top2_logits(model, token_ids, vocab_size)
-    return first - second
-
-
 def top2_gaps_along(model, prompt: list[int], output: list[int], vocab_size: int) -> list[float]:
-    """The top-2 logit gap before each generated token: gap[j] is `top2_gap(model, prompt + output[:j])`,
+    """The top-2 logit gap before each generated token: gap[j] is top-1 minus top-2 of `top2_logits(model, prompt + output[:j])`,
     all from one causal forward over prompt + output[:-1] (no cache). [len(output)] floats."""
     import torch
 

@@ -159,7 +159,7 @@ class Bench:
                 f"--max-model-len ({config.max_model_len}): lower --max-tokens or raise --max-model-len"
             )
         self.pad_id = self._pad_id()
-        self._gap_cache: dict[tuple[int, int], tuple[float, float]] = {}
+        self._top2_cache: dict[tuple[int, int], tuple[float, float]] = {}
         self._policies: dict[tuple[str, int], SpeculationPolicy] = {}  # (method, B) -> the policy it kept
         self.reference: list[list[int]] | None = None  # target-ar B = 1 outputs, once run() is done
 
@@ -443,9 +443,9 @@ class Bench:
     def _top2(self, i: int, prefix: list[int]) -> tuple[float, float]:
         """The reference's top-1 and top-2 logits after prompt i + prefix, cached (methods often diverge alike)."""
         key = (i, len(prefix))
-        if key not in self._gap_cache:
-            self._gap_cache[key] = top2_logits(self.pair.target, self.prompts[i] + prefix, self.pair.vocab_size)
-        return self._gap_cache[key]
+        if key not in self._top2_cache:
+            self._top2_cache[key] = top2_logits(self.pair.target, self.prompts[i] + prefix, self.pair.vocab_size)
+        return self._top2_cache[key]
 
 
 def _copy(gen_config):

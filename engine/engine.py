@@ -23,7 +23,7 @@ from exspec.engine.sampling import (
     sample_from_probs,
 )
 from exspec.engine.sequence import SeqState
-from exspec.engine.static_forward import StaticForward, bucket_for, graph_memory_bytes
+from exspec.engine.static_forward import StaticForward, bucket_for, graph_memory_bytes, static_buckets, static_widths
 from exspec.engine.types import PrefillBatch, SeqOutput, StepBatch, StepOutput
 from exspec.errors import CapacityError, ConfigError, InvalidRequestError
 
@@ -485,16 +485,12 @@ class SpecEngine:
         return static.run(tokens, starts, slots)
 
     def static_keys(self) -> list[tuple[bool, int, int]]:
-        """Every (draft?, bucket, Q) static forward a step of this engine can run with `config.compile`: the
-        verify's Q = k + 1 for k = 0 .. max_k, the draft's first forward of width 1 or 2 (2 after a full accept)
-        and its later ones of 1, at each power-of-two bucket up to max_num_seqs (graph_memory_bytes' estimate
-        counts the same set)."""
-        largest = bucket_for(self.config.max_num_seqs)
-        buckets = [1 << i for i in range(largest.bit_length())]  # 1, 2, 4 .. largest
-        keys = [(False, b, q) for b in buckets for q in range(1, self.max_k + 2)]
-        if self.draft is not None and self.max_k:
-            keys += [(True, b, q) for b in buckets for q in (1, 2)]
-        return keys
+        """Every (draft?, bucket, Q) static forward a step of this engine can run with `config.compile`
+        (static_forward.py's `static_buckets` up to max_num_seqs x `static_widths`, the set graph_memory_bytes
+        counts)."""
+        models = [False] + ([True] if self.draft is not None else [])
+        return [(d, b, q) for d in models for b in static_buckets(self.config.max_num_seqs)
+                for q in static_widths(self.max_k, draft=d)]
 
     def prepare_static(self) -> int:
         """Build every static forward of `static_keys` now (compile_mode "cudagraph": the engine does it when it

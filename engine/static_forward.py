@@ -49,25 +49,37 @@ COMPILE_OPTIONS = {"cpu": {"backend": "aot_eager"}, "cuda": {"mode": "reduce-ove
 RECOMPILE_LIMIT = 64
 
 
+def static_buckets(max_batch: int) -> list[int]:
+    """The padded batch sizes a static forward runs at for batches up to max_batch: 1, 2, 4 .. bucket_for(max_batch)."""
+    return [1 << i for i in range(bucket_for(max_batch).bit_length())]
+
+
+def static_widths(max_k: int, draft: bool) -> list[int]:
+    """The query lengths Q of the static forwards a step runs with k up to max_k: the verify's k + 1 for k = 0 ..
+    max_k; the draft's first forward of width 1 or 2 (2 after a full accept) and its later ones of 1 (none at
+    max_k = 0: no drafting)."""
+    if draft:
+        return [1, 2] if max_k else []
+    return list(range(1, max_k + 2))
+
+
 def graph_memory_bytes(target: torch.nn.Module, draft: torch.nn.Module | None, max_batch: int, max_k: int,
                        vocab_size: int) -> int:
     """An upper estimate of what the captured graphs' memory pool holds on CUDA, taken out of the memory the KV
-    pools are sized from: every (bucket, Q) graph keeps its output logits ([bucket, Q, vocab] in the model's dtype
-    and in float32) over the buckets up to max_batch (the target's Q = 1 .. k + 1, the draft's Q = 1 and 2), plus one
-    forward's working set at the largest shape (~24 hidden-sized and 3 intermediate-sized activations per token).
-    AN ESTIMATE, NOT YET MEASURED ON A GPU."""
-    largest = bucket_for(max_batch)
-    buckets = 2 * largest - 1  # 1 + 2 + 4 + ... + largest
+    pools are sized from: every (bucket, Q) graph (`static_buckets` x `static_widths`) keeps its output logits
+    ([bucket, Q, vocab] in the model's dtype and in float32), plus one forward's working set at the largest shape
+    (~24 hidden-sized and 3 intermediate-sized activations per token). AN ESTIMATE, NOT YET MEASURED ON A GPU."""
+    buckets = static_buckets(max_batch)
     total = 0
-    for model, q_lens in ((target, range(1, max_k + 2)), (draft, [1, 2] if max_k else [])):
+    for model, q_lens in ((target, static_widths(max_k, draft=False)), (draft, static_widths(max_k, draft=True))):
         if model is None or not q_lens:
             continue
         cfg = model.config
         width = next(model.parameters()).element_size()
-        total += buckets * sum(q_lens) * vocab_size * (width + 4)
+        total += sum(buckets) * sum(q_lens) * vocab_size * (width + 4)
         hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0)
         inter = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * hidden
-        total += largest * max(q_lens) * (24 * hidden + 3 * inter) * width
+        total += buckets[-1] * max(q_lens) * (24 * hidden + 3 * inter) * width
     return total
 
 

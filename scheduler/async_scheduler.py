@@ -39,7 +39,10 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        out, self._held = (self._held, None) if self._held is not None else (await self._queue.get(), None)
+        if self._held is not None:
+            out, self._held = self._held, None
+        else:
+            out = await self._queue.get()
         # Deltas that queued up while the reader was busy (a loaded event loop) leave as one, so the per-delta cost
         # downstream (an SSE event: its JSON, a socket write) is paid once per read, not once per engine step. An
         # error stays a delta of its own: a reader reports it instead of its delta's text.
