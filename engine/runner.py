@@ -60,6 +60,9 @@ class ModelRunner:
         self.max_position = _position_limit(self.config)
         self.backend = resolve_attention(attention, self.device, self.config._attn_implementation)
         self.attention = self.backend.name if self.backend is not None else "gather"
+        if self.backend is not None and self.pools.keys:  # e.g. the Triton kernel's variants compiled now
+            self.backend.warm_up(self.config.num_attention_heads, self.pools.keys[0], self.pools.values[0],
+                                 self.sliding_window)
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)  # for backends that need none
 
     @torch.inference_mode()

@@ -22,7 +22,9 @@ for r in $(seq "$ROUNDS"); do
     # shellcheck disable=SC2086
     "$PYTHON" -m exspec serve --port "$PORT" --log-level warning $flags > "$out/serve-$mode-$r.log" 2>&1 &
     pid=$!
+    started=$SECONDS
     for _ in $(seq 720); do healthy && break; sleep 0.5; done  # a captured GPU server captures its graphs first
+    echo "round $r $mode: server answered /health after $((SECONDS - started)) s"
     for rate in $RATES; do
       load=$(cut -d' ' -f1 /proc/loadavg)
       "$PYTHON" -m exspec.loadtest --base-url "http://127.0.0.1:$PORT/v1" --request-rate "$rate" \

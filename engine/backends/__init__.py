@@ -42,6 +42,11 @@ class AttentionBackend:
         """Whatever `forward` needs beyond the pools, built once per forward (shared by every layer)."""
         return meta
 
+    def warm_up(self, heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None) -> int:
+        """Called once per model when its runner is built, with one layer's pools: whatever must not happen in the
+        serving loop (a JIT compile) happens here. Returns how many things it prepared; 0 by default."""
+        return 0
+
     def forward(
         self,
         query: torch.Tensor,  # [B, heads, Q, head_dim]

@@ -19,6 +19,7 @@ class TritonBackend(AttentionBackend):
     """needs the triton package, and CUDA or TRITON_INTERPRET=1"""
 
     needs_mask = False  # the kernel masks by position itself
+    warm_interpreted = False  # warm up under Triton's interpreter too (nothing compiles there: tests only)
 
     @classmethod
     def available(cls, device: torch.device) -> bool:
@@ -28,9 +29,17 @@ class TritonBackend(AttentionBackend):
         return available() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
     def __init__(self) -> None:
-        from exspec.engine.kernels.paged_attention import paged_attention
+        from exspec.engine.kernels.paged_attention import paged_attention, warm_up
 
         self._kernel = paged_attention
+        self._warm_up = warm_up
+
+    def warm_up(self, heads, k_cache, v_cache, window) -> int:
+        """Every kernel variant this model's forwards can launch (kernel_variants), compiled now, on CUDA: a forward of
+        a new shape (a prefill, the draft's catch-up) compiled one in the serving loop, 1-3 s each, before 2026-11-27."""
+        if k_cache.device.type != "cuda" and not self.warm_interpreted:
+            return 0
+        return self._warm_up(heads, k_cache, v_cache, window)
 
     def plan(self, meta: ForwardMeta) -> ForwardMeta:
         return replace(meta, block_tables=meta.block_tables.contiguous())  # [B, n_blocks]: rows at a plain stride

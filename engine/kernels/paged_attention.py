@@ -25,7 +25,12 @@ stops at the tile's last query position (causal) and starts at its first query's
 A decode launch with few programs (small B x kv_heads) cannot fill a GPU, so there the keys of each program are split
 in NUM_SPLITS ranges (flash-decoding, Dao et al. 2023): each range's program stores its unnormalised (acc, m, l) and a
 second kernel merges them, out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M) with M = max_s m_s. The number of
-splits follows from shapes only (the block table's width, the GPU's size), never from the lengths on the device.
+splits follows from shapes only (the block table's width, the GPU's size), never from the lengths on the device, and is
+a power of two up to 16.
+
+Compiled variants: the integers that follow a forward's shapes are not value-specialised (_SHAPE_ARGS), so a variant
+is its constexprs and dtypes alone, one of `kernel_variants` per model (3 BLOCK_M x 5 split counts); `warm_up` launches
+each once when a model's runner is built on CUDA, and a variant first launched after that is logged as a warning.
 
 `triton` is imported on the first call, never by this module's import (exspec runs without it). On CPU tensors the
 kernel runs under Triton's interpreter, which must be switched on (`TRITON_INTERPRET=1`) before the first call (Triton
@@ -36,6 +41,8 @@ softmax), for tests and for devices without Triton.
 from __future__ import annotations
 
 import functools
+import inspect
+import logging
 import math
 import os
 
@@ -77,13 +84,23 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+# Integer arguments whose values follow a forward's shapes (its queries, its block table's width, the query's and the
+# output's strides, the window): compiled without Triton's specialisation on their values (== 1, divisible by 16), so
+# that a forward of a new shape reuses a compiled variant. Each variant is a Triton compile of 1-3 s (sm_90 on this
+# project's CPUs), and in the serving loop such compiles were the 0.5-2 s stalls of the GPU load tests of 2026-11-27
+# (docs/BENCHMARKS.md section 0). What is left of a variant is its constexprs and dtypes (`launch_key`), a bounded set
+# that `warm_up` compiles when a model's runner is built.
+_SHAPE_ARGS = ("q_len", "window", "max_blocks", "s_qb", "s_qh", "s_qq", "s_tb", "s_ob", "s_oq", "s_oh")
+_MERGE_SHAPE_ARGS = ("q_len", "heads", "s_ob", "s_oq", "s_oh")
+SPLITS = (1, 2, 4, 8, 16)  # the key splits a launch may take (powers of two: a bounded set of variants)
+
+
 @functools.cache
 def _kernel():
     """The jitted kernel, built on first use (triton imported here, not at module import)."""
     import triton
     import triton.language as tl
 
-    @triton.jit
     def paged_attention_kernel(
         q_ptr,  # [B, heads, Q, head_dim], any strides
         k_ptr,  # [num_blocks + 1, block_size, kv_heads, head_dim]
@@ -201,7 +218,6 @@ def _kernel():
             tl.store(part + HEAD_DIM, m_i, mask=row_ok)
             tl.store(part + HEAD_DIM + 1, l_i, mask=row_ok)
 
-    @triton.jit
     def merge_splits_kernel(
         part_ptr,  # [B, Q, heads, NUM_SPLITS, head_dim + 2] fp32
         o_ptr,  # [B, Q, heads, head_dim], any strides
@@ -230,7 +246,14 @@ def _kernel():
         o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)  # [BLOCK_D]
         tl.store(o_ptr + b * s_ob + i * s_oq + h * s_oh + d * s_od, o.to(o_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
-    return paged_attention_kernel, merge_splits_kernel
+    return (triton.jit(do_not_specialize=_indices(paged_attention_kernel, _SHAPE_ARGS))(paged_attention_kernel),
+            triton.jit(do_not_specialize=_indices(merge_splits_kernel, _MERGE_SHAPE_ARGS))(merge_splits_kernel))
+
+
+def _indices(fn, names: tuple[str, ...]) -> list[int]:
+    """The positions of `names` among fn's parameters (every Triton takes do_not_specialize as indices)."""
+    params = list(inspect.signature(fn).parameters)
+    return [params.index(name) for name in names]
 
 
 def _tiles(q_len: int, group: int, head_dim: int, on_gpu: bool) -> tuple[int, int, int, int]:
@@ -244,12 +267,31 @@ def _tiles(q_len: int, group: int, head_dim: int, on_gpu: bool) -> tuple[int, in
 
 def _num_splits(programs: int, capacity: int, block_n: int, device: torch.device) -> int:
     """Key ranges per (query tile, row, kv head) so that a small decode batch still fills the GPU: about two programs
-    per multiprocessor, each over at least 4 key tiles of the block table's capacity. Shapes only (no host sync).
-    1 off CUDA: the interpreter gains nothing from it."""
-    if device.type != "cuda" or programs >= _multiprocessors(device):
+    per multiprocessor, each over at least 4 key tiles of the block table's capacity, rounded down to a power of two
+    (SPLITS). Shapes only (no host sync). 1 off CUDA: the interpreter gains nothing from it."""
+    multiprocessors = _gpu_multiprocessors(device)
+    return 1 if multiprocessors is None else splits_for(programs, capacity, block_n, multiprocessors)
+
+
+def splits_for(programs: int, capacity: int, block_n: int, multiprocessors: int) -> int:
+    """`_num_splits` on a GPU of `multiprocessors` multiprocessors: one of SPLITS."""
+    if programs >= multiprocessors:
         return 1
-    wanted = -(-2 * _multiprocessors(device) // programs)
-    return max(1, min(wanted, capacity // (4 * block_n), 16))
+    wanted = max(1, min(-(-2 * multiprocessors // programs), capacity // (4 * block_n), SPLITS[-1]))
+    return 1 << (wanted.bit_length() - 1)
+
+
+def kernel_variants(group: int, head_dim: int, splits: tuple[int, ...] = SPLITS) -> list[tuple[int, int]]:
+    """Every (BLOCK_M, NUM_SPLITS) a launch over `group` query heads per kv head can take, whatever its batch, queries
+    and keys (`splits`: what `_num_splits` can return on the device, SPLITS on a GPU, (1,) off it): with the model's
+    dtype, head_dim, block size and window, all there is to a compiled variant."""
+    block_ms = sorted({_tiles(q_len, group, head_dim, True)[0] for q_len in range(1, 65)})  # BLOCK_M <= 64
+    return [(block_m, n) for block_m in block_ms for n in splits]
+
+
+def _gpu_multiprocessors(device: torch.device) -> int | None:
+    """The CUDA device's multiprocessor count; None off CUDA (no key splits there)."""
+    return _multiprocessors(device) if device.type == "cuda" else None
 
 
 @functools.cache
@@ -306,6 +348,24 @@ def paged_attention(
     block_m, block_q, block_n, block_d = _tiles(q_len, group, head_dim, query.device.type == "cuda")
     q_tiles = (q_len + block_q - 1) // block_q
     splits = _num_splits(q_tiles * batch * kv_heads, block_tables.shape[1] * block_size, block_n, query.device)
+    key = launch_key(query, k_cache, window, block_m, splits)
+    if key not in _launched:
+        _launched.add(key)
+        if _watching:
+            _log.warning("paged attention: kernel variant %s launched for the first time after warm_up: Triton "
+                         "compiles it now (1-3 s); kernel_variants misses it", key)
+    _launch(query, k_cache, v_cache, block_tables, seq_lens, scale, window, out, block_m, splits)
+    return out
+
+
+def _launch(query, k_cache, v_cache, block_tables, seq_lens, scale, window, out, block_m: int, splits: int) -> None:
+    """The kernel (and the merge when splits > 1) at BLOCK_M = block_m over `splits` key ranges."""
+    batch, heads, q_len, head_dim = query.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    _, _, block_n, block_d = _tiles(q_len, group, head_dim, query.device.type == "cuda")
+    block_q = block_m // group
+    q_tiles = (q_len + block_q - 1) // block_q
     # [B, Q, heads, splits, head_dim + 2] fp32: per split its acc, m and l (a dummy when not split)
     parts = torch.empty((batch, q_len, heads, splits, head_dim + 2) if splits > 1 else (1,), device=query.device, dtype=torch.float32)
     attention, merge = _kernel()
@@ -324,7 +384,47 @@ def paged_attention(
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=_next_pow2(splits),
             num_warps=1,
         )
-    return out
+
+
+def launch_key(query: torch.Tensor, k_cache: torch.Tensor, window: int | None, block_m: int, splits: int) -> tuple:
+    """What tells one compiled variant from another once the shape arguments are not specialised (_SHAPE_ARGS): the
+    device, the dtype, the heads' layout, the cache's block size and strides, the window's presence, BLOCK_M and the
+    key splits."""
+    _, heads, _, head_dim = query.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    return (str(query.device), query.dtype, heads // kv_heads, head_dim, block_size, tuple(k_cache.stride()),
+            window is not None, block_m, splits)
+
+
+_log = logging.getLogger(__name__)
+_launched: set[tuple] = set()  # every launch_key this process has launched (and so compiled)
+_watching = False  # set by warm_up: a launch_key first seen after it is logged
+
+
+def warm_up(heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None) -> int:
+    """Launch every variant of `kernel_variants` for one model's attention (its query heads, its pools, its window)
+    once, on zeros in its pools' null block 0, so that Triton compiles them all now and none in the serving loop.
+    Returns how many were launched for the first time. From then on a new variant is logged as a warning."""
+    global _watching
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    group = heads // kv_heads
+    first = 0
+    splits = SPLITS if _gpu_multiprocessors(k_cache.device) is not None else (1,)
+    for block_m, n_splits in kernel_variants(group, head_dim, splits):
+        q_len = next(q for q in range(1, 65) if _tiles(q, group, head_dim, True)[0] == block_m)
+        query = k_cache.new_zeros(1, q_len, heads, head_dim).transpose(1, 2)  # [1, heads, Q, head_dim]
+        key = launch_key(query, k_cache, window, block_m, n_splits)
+        if key in _launched:
+            continue
+        n_blocks = -(-q_len // block_size)
+        tables = torch.zeros(1, n_blocks, dtype=torch.int32, device=k_cache.device)  # [1, n_blocks]: the null block
+        lens = torch.full((1,), q_len, dtype=torch.int32, device=k_cache.device)  # [1]
+        out = query.new_empty(1, q_len, heads, head_dim)  # [1, Q, heads, head_dim]
+        _launch(query, k_cache, v_cache, tables, lens, head_dim**-0.5, window, out, block_m, n_splits)
+        _launched.add(key)
+        first += 1
+    _watching = True
+    return first
 
 
 def paged_attention_reference(

@@ -27,7 +27,7 @@ def _bf16(model: torch.nn.Module) -> torch.nn.Module:
     pytest.param(a, marks=pytest.mark.skipif(a != "llama" and DEVICE == "cpu", reason="bf16 on every architecture: CUDA only"))
     for a in ARCHS
 ])
-def test_bf16_divergences_are_only_near_ties(models, arch):
+def test_bf16_divergences_are_only_near_ties(models, arch, caplog):
     base = models.pair(arch, "noisy")  # draft = perturbed target: partial acceptance
     pair = ModelPair(_bf16(base.target), _bf16(base.draft), base.tokenizer, base.vocab_size, base.eos_token_ids, "bf16")
     target_dir, _ = models.dirs(arch)
@@ -59,3 +59,6 @@ def test_bf16_divergences_are_only_near_ties(models, arch):
         gap = float(top2[0] - top2[1])
         assert gap < NEAR_TIE_EPS["bfloat16"], f"real divergence at output position {pos}: top-2 gap {gap:.4f}"
     assert identical >= len(prompts) // 2  # near-ties are rare: most outputs match exactly
+    # on CUDA (the triton backend): prompts of 1 to 80 tokens, drafts, verifies and catch-ups launched only kernel
+    # variants the runners compiled when they were built (engine/kernels/paged_attention.py warm_up)
+    assert "after warm_up" not in caplog.text

@@ -229,6 +229,50 @@ def test_operator_form_compiles_without_graph_breaks():
     torch.testing.assert_close(compiled(case.query), 2.0 * run_reference(case, 4), **TOL[torch.float32])
 
 
+# ------------------------------------------------------------------------------------------ compiled variants
+
+
+@pytest.mark.parametrize("multiprocessors", [108, 132])
+@pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (2, 16), (3, 80), (4, 64), (4, 128), (8, 128), (16, 64)])
+def test_every_launch_shape_is_one_of_the_kernel_variants(group, head_dim, multiprocessors):
+    """Whatever a forward's batch, queries and block table width, its launch takes one of `kernel_variants` (what
+    warm_up compiles): a new shape in the serving loop never means a new Triton compile (1-3 s; the stalls of the
+    GPU load tests of 2026-11-27)."""
+    variants = set(kernel_module.kernel_variants(group, head_dim))
+    seen = set()
+    for q_len in [*range(1, 70), 100, 127, 128, 129, 300, 2048]:
+        block_m, block_q, block_n, _ = kernel_module._tiles(q_len, group, head_dim, True)
+        q_tiles = -(-q_len // block_q)
+        for batch in [1, 2, 3, 5, 8, 13, 32, 64, 256]:
+            for capacity in [16, 48, 256, 1000, 4096, 8192, 131072]:
+                splits = kernel_module.splits_for(q_tiles * batch * 8, capacity, block_n, multiprocessors)
+                assert (block_m, splits) in variants, (q_len, batch, capacity)
+                seen.add((block_m, splits))
+    assert seen == variants  # and none of them is unreachable (each is a compile at start for nothing)
+
+
+@pytest.fixture
+def fresh_variants(monkeypatch):
+    """An empty record of launched variants, not yet watching (as in a new process)."""
+    monkeypatch.setattr(kernel_module, "_launched", set())
+    monkeypatch.setattr(kernel_module, "_watching", False)
+
+
+@needs_kernel
+def test_warm_up_launches_every_variant_once_then_logs_a_new_one(fresh_variants, monkeypatch, caplog):
+    case = make_case([23, 6], q_len=1, heads=4, kv_heads=2, head_dim=16, seed=8)
+    expected = len(kernel_module.kernel_variants(2, 16, (1,)))  # the CPU: BLOCK_M 16, 32, 64; no key splits
+    assert kernel_module.warm_up(4, case.k_cache, case.v_cache, None) == expected == 3
+    assert kernel_module.warm_up(4, case.k_cache, case.v_cache, None) == 0  # nothing new
+    for q_len in (1, 5, 9, 20):  # decode, a verify, prefill chunks: every BLOCK_M
+        assert_kernel_matches(make_case([23, 26], q_len=q_len, heads=4, kv_heads=2, head_dim=16, seed=8))
+    assert "after warm_up" not in caplog.text
+    assert kernel_module.warm_up(4, case.k_cache, case.v_cache, 3) == 3  # a window: variants of their own
+    monkeypatch.setattr(kernel_module, "_num_splits", lambda *args: 2)  # a variant warm_up did not launch
+    assert_kernel_matches(make_case([23, 26], q_len=1, heads=4, kv_heads=2, head_dim=16, seed=8))
+    assert "launched for the first time after warm_up" in caplog.text
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not available(), reason="needs CUDA and triton")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -252,6 +296,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 attention, merge = module._kernel()
+assert [attention.arg_names[i] for i in attention.do_not_specialize] == list(module._SHAPE_ARGS), attention.do_not_specialize
 for dtype, q_len, group, head_dim, window, splits in [("bf16", 1, 4, 128, False, 4), ("fp32", 5, 3, 80, True, 1)]:
     block_m, block_q, block_n, block_d = module._tiles(q_len, group, head_dim, True)
     consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, KV_BLOCK=16, BLOCK_M=block_m, BLOCK_Q=block_q,
@@ -271,7 +316,8 @@ print("compiled")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the compiled kernel itself (test_cuda_compiled_...)")
 def test_kernels_compile_for_an_h100_without_one():
     """What the interpreter cannot show: the kernels lower to an sm_90 binary (Triton's own ptxas, no GPU needed), a
-    bf16 decode with split keys plus the merge, and an fp32 verify with a window and a non-power-of-two head_dim."""
+    bf16 decode with split keys plus the merge, and an fp32 verify with a window and a non-power-of-two head_dim; and
+    the jitted kernel leaves the shape arguments (_SHAPE_ARGS) unspecialised."""
     try:
         from triton.backends import backends
     except ImportError:
