@@ -15,7 +15,7 @@ trap stop_spinners EXIT
 run() {  # run NAME
   local name=$1 load0 t0 rc summary
   load0=$(cut -d' ' -f1 /proc/loadavg); t0=$(date +%s)
-  bash scripts/bootstrap.sh --test > "$out/$name.log" 2>&1 && .venv/bin/python -m pytest -q >> "$out/$name.log" 2>&1
+  bash scripts/bootstrap.sh --test > "$out/$name.log" 2>&1 && .venv/bin/python -m pytest -q -n 2 --dist loadfile >> "$out/$name.log" 2>&1
   rc=$?
   summary=$(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed).* =+$' "$out/$name.log" | tail -1 | tr -d '=')
   echo "$name rc=$rc $(($(date +%s) - t0)) s load ${load0} -> $(cut -d' ' -f1 /proc/loadavg) $(date -u +%H:%M) UTC:$summary"
