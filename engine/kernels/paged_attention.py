@@ -285,8 +285,15 @@ def kernel_variants(group: int, head_dim: int, splits: tuple[int, ...] = SPLITS)
     """Every (BLOCK_M, NUM_SPLITS) a launch over `group` query heads per kv head can take, whatever its batch, queries
     and keys (`splits`: what `_num_splits` can return on the device, SPLITS on a GPU, (1,) off it): with the model's
     dtype, head_dim, block size and window, all there is to a compiled variant."""
-    block_ms = sorted({_tiles(q_len, group, head_dim, True)[0] for q_len in range(1, 65)})  # BLOCK_M <= 64
-    return [(block_m, n) for block_m in block_ms for n in splits]
+    return [(block_m, n) for block_m in _block_ms(group, head_dim) for n in splits]
+
+
+def _block_ms(group: int, head_dim: int) -> dict[int, int]:
+    """Each BLOCK_M a launch can take (at most 64 rows, or one group), with the fewest queries that take it."""
+    found: dict[int, int] = {}
+    for q_len in range(64, 0, -1):
+        found[_tiles(q_len, group, head_dim, True)[0]] = q_len
+    return dict(sorted(found.items()))
 
 
 def _gpu_multiprocessors(device: torch.device) -> int | None:
@@ -392,7 +399,7 @@ def launch_key(query: torch.Tensor, k_cache: torch.Tensor, window: int | None, b
     key splits."""
     _, heads, _, head_dim = query.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    return (str(query.device), query.dtype, heads // kv_heads, head_dim, block_size, tuple(k_cache.stride()),
+    return (query.device, query.dtype, heads // kv_heads, head_dim, block_size, tuple(k_cache.stride()),
             window is not None, block_m, splits)
 
 
@@ -410,8 +417,9 @@ def warm_up(heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, window: in
     group = heads // kv_heads
     first = 0
     splits = SPLITS if _gpu_multiprocessors(k_cache.device) is not None else (1,)
+    queries = _block_ms(group, head_dim)  # BLOCK_M -> the fewest queries that launch it
     for block_m, n_splits in kernel_variants(group, head_dim, splits):
-        q_len = next(q for q in range(1, 65) if _tiles(q, group, head_dim, True)[0] == block_m)
+        q_len = queries[block_m]
         query = k_cache.new_zeros(1, q_len, heads, head_dim).transpose(1, 2)  # [1, heads, Q, head_dim]
         key = launch_key(query, k_cache, window, block_m, n_splits)
         if key in _launched:
