@@ -256,12 +256,18 @@ def _indices(fn, names: tuple[str, ...]) -> list[int]:
     return [params.index(name) for name in names]
 
 
+# Keys per inner step under Triton's interpreter (CPU tensors): the interpreter pays per operation in Python, not per
+# element, so one wide tile that covers a test's whole context runs the key loop once (the engine's interpreted tests
+# took half the test suite's time at 32). tests/engine/test_paged_kernel.py narrows it to make its cases span tiles.
+INTERPRETER_BLOCK_N = 128
+
+
 def _tiles(q_len: int, group: int, head_dim: int, on_gpu: bool) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_Q, BLOCK_N, BLOCK_D) for a forward of q_len queries, group heads per kv head."""
     block_d = max(16, _next_pow2(head_dim))
     block_m = max(16, min(_next_pow2(q_len * group), 64), _next_pow2(group))
     block_q = block_m // group
-    block_n = 64 if on_gpu and block_d <= 64 else 32
+    block_n = (64 if block_d <= 64 else 32) if on_gpu else INTERPRETER_BLOCK_N
     return block_m, block_q, block_n, block_d
 
 

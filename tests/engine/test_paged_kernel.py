@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from exspec.engine.kernels import available, paged_attention, paged_attention_reference
+from tests.support.triton_interpreter import set_overflow_checks
 
 kernel_module = importlib.import_module("exspec.engine.kernels.paged_attention")  # the package re-exports the function
 
@@ -28,6 +29,21 @@ ROOT = Path(__file__).resolve().parents[2]
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_kernel = pytest.mark.skipif(not available(), reason="needs triton, and CUDA or TRITON_INTERPRET=1")
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1.5e-3, rtol=1.5e-3), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.fixture(autouse=True)
+def kernel_under_test(monkeypatch):
+    """Off CUDA: the interpreter checks each integer operation for int32 overflow here (the other test files switch
+    that off, tests/support/triton_interpreter.py), and key tiles of 16, so that these cases' rows of up to 63 keys
+    span several tiles of the online softmax (the engine's interpreted tests run one tile of 128)."""
+    if DEVICE.type == "cuda":
+        yield
+        return
+    monkeypatch.setattr(kernel_module, "INTERPRETER_BLOCK_N", 16)
+    before = set_overflow_checks(True)
+    yield
+    if before is not None:
+        set_overflow_checks(before)
 
 
 @dataclass
@@ -262,12 +278,12 @@ def fresh_variants(monkeypatch):
 def test_warm_up_launches_every_variant_once_then_logs_a_new_one(fresh_variants, monkeypatch, caplog):
     case = make_case([23, 6], q_len=1, heads=4, kv_heads=2, head_dim=16, seed=8)
     expected = len(kernel_module.kernel_variants(2, 16, (1,)))  # the CPU: BLOCK_M 16, 32, 64; no key splits
-    assert kernel_module.warm_up(4, case.k_cache, case.v_cache, None) == expected == 3
-    assert kernel_module.warm_up(4, case.k_cache, case.v_cache, None) == 0  # nothing new
+    assert kernel_module.warm_up(4, case.clean_k, case.clean_v, None) == expected == 3
+    assert kernel_module.warm_up(4, case.clean_k, case.clean_v, None) == 0  # nothing new
     for q_len in (1, 5, 9, 20):  # decode, a verify, prefill chunks: every BLOCK_M
         assert_kernel_matches(make_case([23, 26], q_len=q_len, heads=4, kv_heads=2, head_dim=16, seed=8))
     assert "after warm_up" not in caplog.text
-    assert kernel_module.warm_up(4, case.k_cache, case.v_cache, 3) == 3  # a window: variants of their own
+    assert kernel_module.warm_up(4, case.clean_k, case.clean_v, 3) == 3  # a window: variants of their own
     monkeypatch.setattr(kernel_module, "_num_splits", lambda *args: 2)  # a variant warm_up did not launch
     assert_kernel_matches(make_case([23, 26], q_len=1, heads=4, kv_heads=2, head_dim=16, seed=8))
     assert "launched for the first time after warm_up" in caplog.text
