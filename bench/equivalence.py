@@ -11,30 +11,17 @@ own `generate` of the target alone included, sat at a gap of exactly 0.0625.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
-from exspec.data.reference import first_divergence  # noqa: F401 (re-exported: one definition)
-
-# fp32 keeps ~1e-6 relative error through a forward; bf16/fp16 keep 8/11 bits of mantissa.
-NEAR_TIE_EPS = {"float32": 1e-3, "fp32": 1e-3, "bfloat16": 0.05, "bf16": 0.05, "float16": 0.05, "fp16": 0.05}
-# Explicit significand bits per dtype: a logit x in that dtype is a multiple of ulp(x) = 2^(floor(log2|x|) - bits).
-SIGNIFICAND_BITS = {"float32": 23, "fp32": 23, "bfloat16": 7, "bf16": 7, "float16": 10, "fp16": 10}
-NEAR_TIE_ULPS = 2  # a gap of at most this many units in the last place of the top-1 logit is a near-tie
-
-
-def ulp(x: float, dtype: str) -> float:
-    """The spacing of `dtype`'s numbers at x (0 for x = 0 or not finite)."""
-    if x == 0 or not math.isfinite(x):
-        return 0.0
-    return 2.0 ** (math.floor(math.log2(abs(x))) - SIGNIFICAND_BITS[dtype])
-
-
-def is_near_tie(gap: float, top1: float, dtype: str) -> bool:
-    """A top-2 gap a reduction order can flip: below NEAR_TIE_EPS[dtype], or within NEAR_TIE_ULPS units in the last
-    place of the top-1 logit in dtype (bf16 logits in [8, 16) are 0.0625 apart: a gap of 0.0625 there is one step)."""
-    return gap < NEAR_TIE_EPS[dtype] or gap <= NEAR_TIE_ULPS * ulp(top1, dtype)
-
+# The rule itself lives beside the reference file's check (the load test applies it too); re-exported, one definition.
+from exspec.data.reference import (  # noqa: F401
+    NEAR_TIE_EPS,
+    NEAR_TIE_ULPS,
+    SIGNIFICAND_BITS,
+    first_divergence,
+    is_near_tie,
+    ulp,
+)
 
 def classify_divergences(outputs: list[list[int]], references: list[list[int]],
                          top2: Callable[[int, list[int]], tuple[float, float]], dtype: str) -> list[dict]:
@@ -67,16 +54,17 @@ def top2_logits(model, token_ids: list[int], vocab_size: int) -> tuple[float, fl
     return float(top[0]), float(top[1])
 
 
-def top2_gaps_along(model, prompt: list[int], output: list[int], vocab_size: int) -> list[float]:
-    """The top-2 logit gap before each generated token: gap[j] is top-1 minus top-2 of `top2_logits(model, prompt + output[:j])`,
-    all from one causal forward over prompt + output[:-1] (no cache). [len(output)] floats."""
+def top2_gaps_along(model, prompt: list[int], output: list[int], vocab_size: int) -> tuple[list[float], list[float]]:
+    """The top-2 logit gap and the top-1 logit before each generated token: gap[j] is top-1 minus top-2 of
+    `top2_logits(model, prompt + output[:j])`, top1[j] its top-1, all from one causal forward over
+    prompt + output[:-1] (no cache). Two lists of [len(output)] floats: (gaps, top1)."""
     import torch
 
     if not output:
-        return []
+        return [], []
     with torch.inference_mode():
         device = next(model.parameters()).device
         ids = torch.tensor([prompt + output[:-1]], device=device)  # [1, P + n - 1]
         logits = model(input_ids=ids).logits[0, len(prompt) - 1 :, :vocab_size].float()  # [n, V]
         top = torch.topk(logits, 2, dim=-1).values  # [n, 2]
-        return (top[:, 0] - top[:, 1]).tolist()
+        return (top[:, 0] - top[:, 1]).tolist(), top[:, 0].tolist()

@@ -428,17 +428,18 @@ class Bench:
 
     def reference_rows(self) -> list[ReferenceRow]:
         """The target-alone outputs of `run()` in the reference-file format of the load test, with the
-        target's top-2 logit gap before every generated token (one forward per prompt)."""
+        target's top-2 logit gap and top-1 logit before every generated token (one forward per prompt) and the
+        run's dtype, so that the load test tells near-ties by the bench's own rule (`is_near_tie`)."""
         if self.reference is None:
             raise BenchError("reference_rows() needs run() first")
         cfg = self.config
         eps = NEAR_TIE_EPS[cfg.dtype]
         source = f"exspec bench target-ar B=1 (our engine, k = 0), {Path(cfg.model).name}, {cfg.device} {cfg.dtype}"
-        return [
-            ReferenceRow(prompt, out, cfg.max_tokens, False,
-                         top2_gaps_along(self.pair.target, prompt, out, self.pair.vocab_size), eps, source)
-            for prompt, out in zip(self.prompts, self.reference)
-        ]
+        rows = []
+        for prompt, out in zip(self.prompts, self.reference):
+            gaps, top1 = top2_gaps_along(self.pair.target, prompt, out, self.pair.vocab_size)
+            rows.append(ReferenceRow(prompt, out, cfg.max_tokens, False, gaps, eps, source, top1, cfg.dtype))
+        return rows
 
     def _top2(self, i: int, prefix: list[int]) -> tuple[float, float]:
         """The reference's top-1 and top-2 logits after prompt i + prefix, cached (methods often diverge alike)."""

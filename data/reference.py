@@ -11,24 +11,50 @@ started with `--num-speculative-tokens 0` to record the target alone; no gaps). 
      "ignore_eos": bool,               # whether EOS was ignored
      "top2_gaps": [float, ...] | null, # per generated position: the target's top-1 minus top-2 logit
      "near_tie_eps": float | null,     # a divergence where the gap is below this is a near-tie
+     "top1_logits": [float, ...] | null,  # per generated position: the target's top-1 logit (optional)
+     "dtype": str | null,              # the dtype the reference ran in, e.g. "bfloat16" (optional)
      "source": str}                    # what produced the row
 
 Greedy output equivalence: an output equals its reference token for token. When it does not, the first
-differing position is a *near-tie* if the reference's top-2 gap there is below `near_tie_eps` (batched
-kernels reduce in another order, and that can flip an argmax so close), *real* if it is not, and
-*unclassified* when the reference carries no gaps. Torch-free: the load test reads this without a model, the
-offline benchmark writes it (both import it from here: neither may import the other).
+differing position is a *near-tie* if the reference's top-2 gap there is below `near_tie_eps`, or, where the
+row has its top-1 logits and dtype, at most NEAR_TIE_ULPS units in the last place of the top-1 logit in that
+dtype (`is_near_tie`; batched kernels reduce in another order, and that can flip an argmax so close: bf16 logits
+in [8, 16) are 0.0625 apart, so a gap of one such step is no evidence of a real divergence), *real* if it is
+not, and *unclassified* when the reference carries no gaps. Torch-free: the load test reads this without a
+model, the offline benchmark writes it and classifies its own divergences by the same rule (both import it from
+here: neither may import the other).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from exspec.data.atomic import write_lines_atomic
 
 from exspec.errors import ReferenceError
+
+
+# fp32 keeps ~1e-6 relative error through a forward; bf16/fp16 keep 8/11 bits of mantissa.
+NEAR_TIE_EPS = {"float32": 1e-3, "fp32": 1e-3, "bfloat16": 0.05, "bf16": 0.05, "float16": 0.05, "fp16": 0.05}
+# Explicit significand bits per dtype: a logit x in that dtype is a multiple of ulp(x) = 2^(floor(log2|x|) - bits).
+SIGNIFICAND_BITS = {"float32": 23, "fp32": 23, "bfloat16": 7, "bf16": 7, "float16": 10, "fp16": 10}
+NEAR_TIE_ULPS = 2  # a gap of at most this many units in the last place of the top-1 logit is a near-tie
+
+
+def ulp(x: float, dtype: str) -> float:
+    """The spacing of `dtype`'s numbers at x (0 for x = 0 or not finite)."""
+    if x == 0 or not math.isfinite(x):
+        return 0.0
+    return 2.0 ** (math.floor(math.log2(abs(x))) - SIGNIFICAND_BITS[dtype])
+
+
+def is_near_tie(gap: float, top1: float, dtype: str) -> bool:
+    """A top-2 gap a reduction order can flip: below NEAR_TIE_EPS[dtype], or within NEAR_TIE_ULPS units in the last
+    place of the top-1 logit in dtype (bf16 logits in [8, 16) are 0.0625 apart: a gap of 0.0625 there is one step)."""
+    return gap < NEAR_TIE_EPS[dtype] or gap <= NEAR_TIE_ULPS * ulp(top1, dtype)
 
 
 @dataclass(frozen=True)
@@ -40,6 +66,8 @@ class ReferenceRow:
     top2_gaps: list[float] | None = None  # [len(output_token_ids)] or None
     near_tie_eps: float | None = None
     source: str = ""
+    top1_logits: list[float] | None = None  # [len(output_token_ids)] or None
+    dtype: str | None = None  # one of SIGNIFICAND_BITS' names, or None
 
 
 def first_divergence(output: list[int], reference: list[int]) -> int | None:
@@ -95,25 +123,34 @@ def read_reference(path: Path) -> list[ReferenceRow]:
         eps = obj.get("near_tie_eps")
         if eps is not None and (not isinstance(eps, (int, float)) or eps < 0):
             raise ReferenceError(f"{where}: 'near_tie_eps' must be null or a number >= 0, got {eps!r}")
+        top1 = obj.get("top1_logits")
+        if top1 is not None and (not isinstance(top1, list) or len(top1) != len(output)
+                                 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in top1)):
+            raise ReferenceError(f"{where}: 'top1_logits' must be null or one number per output id")
+        dtype = obj.get("dtype")
+        if dtype is not None and dtype not in SIGNIFICAND_BITS:
+            raise ReferenceError(f"{where}: 'dtype' must be null or one of {', '.join(SIGNIFICAND_BITS)}, got {dtype!r}")
         rows.append(ReferenceRow(prompt, output, max_tokens, bool(obj.get("ignore_eos", False)), gaps, eps,
-                                 str(obj.get("source", ""))))
+                                 str(obj.get("source", "")), top1, dtype))
     if not rows:
         raise ReferenceError(f"reference file {str(path)!r} holds no rows")
     return rows
 
 
 def compare_with_reference(outputs: list[list[int]], references: list[ReferenceRow]) -> list[dict]:
-    """One {index, position, gap, kind} per output that differs from its reference row; kind is "near-tie",
-    "real" or "unclassified" (see the module docstring)."""
+    """One {index, position, gap, top1, kind} per output that differs from its reference row; kind is "near-tie",
+    "real" or "unclassified" (see the module docstring); top1 is None where the row has no top-1 logits."""
     found = []
     for i, (out, ref) in enumerate(zip(outputs, references)):
         j = first_divergence(out, ref.output_token_ids)
         if j is None:
             continue
         gap = ref.top2_gaps[j] if ref.top2_gaps is not None and j < len(ref.top2_gaps) else None
+        top1 = ref.top1_logits[j] if ref.top1_logits is not None and j < len(ref.top1_logits) else None
         if gap is None or ref.near_tie_eps is None:
             kind = "unclassified" if ref.top2_gaps is None else "real"
         else:
-            kind = "near-tie" if gap < ref.near_tie_eps else "real"
-        found.append({"index": i, "position": j, "gap": gap, "kind": kind})
+            steps = top1 is not None and ref.dtype is not None and gap <= NEAR_TIE_ULPS * ulp(top1, ref.dtype)
+            kind = "near-tie" if gap < ref.near_tie_eps or steps else "real"
+        found.append({"index": i, "position": j, "gap": gap, "top1": top1, "kind": kind})
     return found

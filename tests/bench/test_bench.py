@@ -177,15 +177,17 @@ def test_the_reference_file_holds_the_target_alone_with_its_gaps(bench_dir, rows
     model = AutoModelForCausalLM.from_pretrained(pair[0], dtype=torch.float32).eval()
     for x in ref:
         assert x.max_tokens == 8 and x.near_tie_eps == 1e-3 and len(x.top2_gaps) == len(x.output_token_ids)
+        assert x.dtype == "float32" and len(x.top1_logits) == len(x.output_token_ids)
         for j in (0, len(x.output_token_ids) - 1):
             first, second = top2_logits(model, x.prompt_token_ids + x.output_token_ids[:j], 320)
             assert x.top2_gaps[j] == pytest.approx(first - second, rel=1e-4, abs=1e-5)
+            assert x.top1_logits[j] == pytest.approx(first, rel=1e-4, abs=1e-5)
         # the reference is the target's own greedy output
         with torch.inference_mode():
             out = model.generate(torch.tensor([x.prompt_token_ids]), do_sample=False, max_new_tokens=8,
                                  eos_token_id=2, pad_token_id=3)
         assert out[0, len(x.prompt_token_ids):].tolist()[: len(x.output_token_ids)] == x.output_token_ids
-    assert top2_gaps_along(model, [5, 6], [], 320) == []
+    assert top2_gaps_along(model, [5, 6], [], 320) == ([], [])
 
 
 def test_without_matplotlib_the_plot_is_skipped_with_one_line(rows, tmp_path, monkeypatch, capsys):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -15,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from exspec.loadtest.__main__ import main
-from exspec.data.reference import ReferenceRow, compare_with_reference, read_reference, write_reference
+from exspec.data.reference import ReferenceRow, compare_with_reference, is_near_tie, read_reference, write_reference
+from exspec.errors import ReferenceError
 from exspec.loadtest.report import percentile
 from exspec.loadtest.runner import LoadTestError, arrival_offsets, check_loopback
 from tests.support.server_fixtures import running_server
@@ -144,7 +146,8 @@ def test_a_divergence_is_classified_by_the_reference_gap(srv, bench_reference, t
         assert rc == status
         eq = r["equivalence"]
         assert eq["matched"] == 2
-        assert eq["mismatches"] == [{"position": 1, "gap": x.top2_gaps[1], "kind": kind, "request": 1}]
+        assert eq["mismatches"] == [{"position": 1, "gap": x.top2_gaps[1], "top1": x.top1_logits[1], "kind": kind,
+                                     "request": 1}]
 
 
 def test_reference_file_errors_are_reported(srv, pair, tmp_path, capsys):
@@ -171,10 +174,38 @@ def test_reference_file_errors_are_reported(srv, pair, tmp_path, capsys):
 def test_compare_with_reference_without_gaps_is_unclassified():
     rows = [ReferenceRow([5], [1, 2, 3], 3), ReferenceRow([6], [4, 5], 3, top2_gaps=[0.5, 0.01], near_tie_eps=0.1)]
     assert compare_with_reference([[1, 2, 3], [4, 6]], rows) == [
-        {"index": 1, "position": 1, "gap": 0.01, "kind": "near-tie"}]
+        {"index": 1, "position": 1, "gap": 0.01, "top1": None, "kind": "near-tie"}]
     assert compare_with_reference([[1, 9, 3], [4, 5, 7]], rows) == [
-        {"index": 0, "position": 1, "gap": None, "kind": "unclassified"},
-        {"index": 1, "position": 2, "gap": None, "kind": "real"}]
+        {"index": 0, "position": 1, "gap": None, "top1": None, "kind": "unclassified"},
+        {"index": 1, "position": 2, "gap": None, "top1": None, "kind": "real"}]
+
+
+def test_a_reference_with_top1_logits_tells_bf16_near_ties_by_units_in_the_last_place(tmp_path):
+    """bf16 logits in [8, 16) are 0.0625 apart: a gap of one or two such steps above the 0.05 eps is a near-tie when
+    the row carries its top-1 logits and dtype (the bench's rule, is_near_tie), real without them; three steps are
+    real either way. The fields survive a write and a read."""
+    gaps, top1 = [0.0625, 0.125, 0.1875], [10.0, 9.5, 12.0]
+    bare = ReferenceRow([5], [1, 2, 3], 3, top2_gaps=gaps, near_tie_eps=0.05)
+    full = dataclasses.replace(bare, top1_logits=top1, dtype="bfloat16")
+    write_reference(tmp_path / "r.jsonl", [full])
+    assert read_reference(tmp_path / "r.jsonl") == [full]
+    outputs = [[9, 2, 3], [1, 9, 3], [1, 2, 9]]  # a divergence at position 0, 1, 2
+    kinds = lambda row: [d["kind"] for o in outputs for d in compare_with_reference([o], [row])]  # noqa: E731
+    assert kinds(full) == ["near-tie", "near-tie", "real"]
+    assert kinds(bare) == ["real", "real", "real"]
+    assert [is_near_tie(g, t, "bfloat16") for g, t in zip(gaps, top1)] == [True, True, False]  # the bench agrees
+
+
+@pytest.mark.parametrize(("field", "value", "said"), [
+    ("top1_logits", [1.0], "'top1_logits' must be null or one number per output id"),
+    ("top1_logits", [1.0, "x"], "'top1_logits' must be null or one number per output id"),
+    ("dtype", "float8", "'dtype' must be null or one of"),
+])
+def test_a_reference_row_with_bad_top1_logits_or_dtype_is_refused(tmp_path, field, value, said):
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps({"prompt_token_ids": [5], "output_token_ids": [1, 2], "max_tokens": 2, field: value}) + "\n")
+    with pytest.raises(ReferenceError, match=re.escape(said)):
+        read_reference(path)
 
 
 def test_the_load_test_imports_no_engine_torch_or_benchmark():
