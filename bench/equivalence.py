@@ -23,6 +23,7 @@ from exspec.data.reference import (  # noqa: F401
     ulp,
 )
 
+
 def classify_divergences(outputs: list[list[int]], references: list[list[int]],
                          top2: Callable[[int, list[int]], tuple[float, float]], dtype: str) -> list[dict]:
     """One {prompt, position, gap, top1, kind} per output that differs from its reference. `top2(i, prefix)` is the

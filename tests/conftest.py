@@ -19,7 +19,7 @@ from tests.support.models import Models
 from tests.support.triton_interpreter import set_overflow_checks
 
 if not torch.cuda.is_available():
-    set_overflow_checks(False)  # half the interpreted tests' time; the kernel's own tests switch them back on
+    set_overflow_checks(False)  # half the interpreted tests' time, asserting nothing; the kernel's tests turn them on
 
 torch.set_num_threads(1)  # tiny models: threads only add contention on a shared CI machine
 
@@ -57,8 +57,6 @@ def smollm2_tokenizer():
 
     path = smollm2_gguf_path()
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-
-
 
 
 @pytest.fixture(autouse=True)

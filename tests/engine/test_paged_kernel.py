@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from exspec.engine.kernels import available, paged_attention, paged_attention_reference
-from tests.support.triton_interpreter import set_overflow_checks
+from tests.support.triton_interpreter import restore_options, set_overflow_checks
 
 kernel_module = importlib.import_module("exspec.engine.kernels.paged_attention")  # the package re-exports the function
 
@@ -33,17 +33,34 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1.5e-
 
 @pytest.fixture(autouse=True)
 def kernel_under_test(monkeypatch):
-    """Off CUDA: the interpreter checks each integer operation for int32 overflow here (the other test files switch
-    that off, tests/support/triton_interpreter.py), and key tiles of 16, so that these cases' rows of up to 63 keys
-    span several tiles of the online softmax (the engine's interpreted tests run one tile of 128)."""
+    """Off CUDA: the interpreter checks each integer operation for int32 overflow here and raises on one (the other
+    test files switch that off, tests/support/triton_interpreter.py), and key tiles of 16, so that these cases' rows
+    of up to 63 keys span several tiles of the online softmax (the engine's interpreted tests run one tile of 128)."""
     if DEVICE.type == "cuda":
         yield
         return
     monkeypatch.setattr(kernel_module, "INTERPRETER_BLOCK_N", 16)
     before = set_overflow_checks(True)
     yield
-    if before is not None:
-        set_overflow_checks(before)
+    restore_options(before)
+
+
+@needs_kernel
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the interpreter's checks (a compiled kernel drops them)")
+def test_the_interpreter_raises_on_an_int32_overflow_here():
+    """The checks above are live: a multiply past int32's range in a jitted function raises under the interpreter."""
+    import triton
+    import triton.language as tl
+
+    def multiply(out_ptr, a, b):
+        tl.store(out_ptr, a * b)
+
+    out = torch.zeros(1, dtype=torch.int32)
+    kernel = triton.jit(multiply)
+    kernel[(1,)](out, 2**10, 2**15)
+    assert out.item() == 2**25
+    with pytest.raises(Exception, match="int32 overflow"):
+        kernel[(1,)](out, 2**20, 2**15)
 
 
 @dataclass
