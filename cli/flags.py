@@ -46,9 +46,10 @@ FLAGS = {
     "compile_mode": ("MODE", "inductor | cudagraph: how --compile does it (default inductor: torch.compile, CUDA "
                              "graphs through it on CUDA; cudagraph: CUDA only, the forwards recorded into CUDA graphs "
                              "with no compiler, 0.1-0.2 s to capture on an H100)"),
-    "calibrate": (None, "--calibrate: before serving (bench: before the exspec method's warm-up), a few seconds of "
-                        "steps at each batch size and k measure what the speculation policy would otherwise explore "
-                        "under live traffic (default); --no-calibrate: it starts unmeasured"),
+    "calibrate": (None, "--calibrate: before serving (bench: before the exspec method's warm-up), seconds of steps "
+                        "(35 s for the demo pair on a slow 2-core CPU) at each batch size and k measure what the "
+                        "speculation policy would otherwise explore under live traffic (default); --no-calibrate: it "
+                        "starts unmeasured"),
     "speculation": ("MODE", f"{' | '.join(SPECULATION_MODES)}: how k is chosen per step "
                             f"(default {Settings.model_fields['speculation'].default})"),
     "max_batch_size": ("B", f"sequences per speculative step (default {_default('max_batch_size')})"),
