@@ -129,7 +129,8 @@ def read_reference(path: Path) -> list[ReferenceRow]:
             raise ReferenceError(f"{where}: 'top1_logits' must be null or one number per output id")
         dtype = obj.get("dtype")
         if dtype is not None and dtype not in SIGNIFICAND_BITS:
-            raise ReferenceError(f"{where}: 'dtype' must be null or one of {', '.join(SIGNIFICAND_BITS)}, got {dtype!r}")
+            names = ", ".join(SIGNIFICAND_BITS)
+            raise ReferenceError(f"{where}: 'dtype' must be null or one of {names}, got {dtype!r}")
         rows.append(ReferenceRow(prompt, output, max_tokens, bool(obj.get("ignore_eos", False)), gaps, eps,
                                  str(obj.get("source", "")), top1, dtype))
     if not rows:

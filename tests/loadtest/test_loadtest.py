@@ -203,7 +203,8 @@ def test_a_reference_with_top1_logits_tells_bf16_near_ties_by_units_in_the_last_
 ])
 def test_a_reference_row_with_bad_top1_logits_or_dtype_is_refused(tmp_path, field, value, said):
     path = tmp_path / "r.jsonl"
-    path.write_text(json.dumps({"prompt_token_ids": [5], "output_token_ids": [1, 2], "max_tokens": 2, field: value}) + "\n")
+    row = {"prompt_token_ids": [5], "output_token_ids": [1, 2], "max_tokens": 2, field: value}
+    path.write_text(json.dumps(row) + "\n")
     with pytest.raises(ReferenceError, match=re.escape(said)):
         read_reference(path)
 

@@ -149,7 +149,8 @@ def test_served_chat_is_the_target_alone(server, tok, reference):
 
 
 def _counter(metrics: str, name: str) -> float:
-    return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name + " ") or line.startswith(name + "{"))
+    """The sum of a Prometheus counter's samples (all label sets) in a /metrics text."""
+    return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith((name + " ", name + "{")))
 
 
 @pytest.mark.parametrize("index", [2, 3])
