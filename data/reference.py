@@ -51,10 +51,13 @@ def ulp(x: float, dtype: str) -> float:
     return 2.0 ** (math.floor(math.log2(abs(x))) - SIGNIFICAND_BITS[dtype])
 
 
-def is_near_tie(gap: float, top1: float, dtype: str) -> bool:
-    """A top-2 gap a reduction order can flip: below NEAR_TIE_EPS[dtype], or within NEAR_TIE_ULPS units in the last
-    place of the top-1 logit in dtype (bf16 logits in [8, 16) are 0.0625 apart: a gap of 0.0625 there is one step)."""
-    return gap < NEAR_TIE_EPS[dtype] or gap <= NEAR_TIE_ULPS * ulp(top1, dtype)
+def is_near_tie(gap: float, top1: float | None, dtype: str | None, eps: float | None = None) -> bool:
+    """A top-2 gap a reduction order can flip: below eps (default NEAR_TIE_EPS[dtype]), or within NEAR_TIE_ULPS units
+    in the last place of the top-1 logit in dtype (bf16 logits in [8, 16) are 0.0625 apart: a gap of 0.0625 there is
+    one step); the second test only where top1 and dtype are known (a reference file may lack them)."""
+    if eps is None:
+        eps = NEAR_TIE_EPS[dtype]
+    return gap < eps or (top1 is not None and dtype is not None and gap <= NEAR_TIE_ULPS * ulp(top1, dtype))
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,6 @@ def compare_with_reference(outputs: list[list[int]], references: list[ReferenceR
         if gap is None or ref.near_tie_eps is None:
             kind = "unclassified" if ref.top2_gaps is None else "real"
         else:
-            steps = top1 is not None and ref.dtype is not None and gap <= NEAR_TIE_ULPS * ulp(top1, ref.dtype)
-            kind = "near-tie" if gap < ref.near_tie_eps or steps else "real"
+            kind = "near-tie" if is_near_tie(gap, top1, ref.dtype, ref.near_tie_eps) else "real"
         found.append({"index": i, "position": j, "gap": gap, "top1": top1, "kind": kind})
     return found
