@@ -32,8 +32,10 @@ FLAGS = {
                                     f"adaptive policy; default {_default('num_speculative_tokens')}); 0 decodes "
                                     "without speculation"),
     "attention_backend": ("NAME", f"auto | {' | '.join(attention_backends())}: how attention reads each row's KV "
-                                  f"blocks (default auto: {ATTENTION_DEFAULT['cuda']} on CUDA, {ATTENTION_DEFAULT['cpu']} "
-                                  "on CPU, reference where those cannot run; docs/ARCHITECTURE.md)"),
+                                  f"blocks (default auto: {' else '.join(ATTENTION_DEFAULT['cuda'])} on CUDA, "
+                                  f"{' else '.join(ATTENTION_DEFAULT['cpu'])} on CPU (native builds a C kernel with the "
+                                  "machine's compiler on first use), reference where those cannot run; "
+                                  "docs/ARCHITECTURE.md)"),
     "kv_cache_memory": ("MEM", "memory for the paged KV cache: a fraction of what is free once the weights are "
                                "loaded (e.g. 0.5) or a size (e.g. 4GiB); it sets how many tokens all live sequences "
                                f"hold together (default {KV_MEMORY_DEFAULT['cuda']} on CUDA, "

@@ -33,8 +33,9 @@ DEFAULT_MAX_MODEL_LEN = 2048
 # GPU (vLLM's --gpu-memory-utilization is 0.9 of the whole GPU), a modest part of the RAM a CPU host still has
 # available (its other processes keep the rest; the pool's pages are touched at start-up).
 KV_MEMORY_DEFAULT = {"cuda": 0.9, "cpu": 0.25}
-# The attention backend "auto" picks per device type (falling back to "reference" where it cannot run).
-ATTENTION_DEFAULT = {"cuda": "triton", "cpu": "sdpa"}
+# The attention backends "auto" tries per device type, in order: the first that can run here ("reference" where none
+# can). On the CPU `native` needs a C compiler to build its kernel on first use; `sdpa` is pure PyTorch.
+ATTENTION_DEFAULT = {"cuda": ("triton",), "cpu": ("native", "sdpa")}
 GEMM_MODES = ("auto", "packed", "default")  # EngineConfig.gemm (engine/packed_linear.py)
 # EngineConfig.compile_mode, how `compile` makes the static forwards fast (engine/static_forward.py): "inductor"
 # compiles them (torch.compile: the CPU's capturability proof; CUDA graphs through mode "reduce-overhead" on CUDA, run

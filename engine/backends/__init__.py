@@ -72,10 +72,13 @@ def available_names(device: torch.device) -> tuple[str, ...]:
 
 
 def default_backend(device: torch.device) -> str:
-    """exspec.engine.config.ATTENTION_DEFAULT for the device type (`triton` on CUDA, `sdpa` on the CPU: measured
-    fastest there, docs/BENCHMARKS-HISTORY.md "Paged KV (issue 19)"), `reference` where that one cannot run."""
-    preferred = ATTENTION_DEFAULT.get(device.type, "reference")
-    return preferred if BACKENDS.get(preferred).available(device) else "reference"
+    """The first of exspec.engine.config.ATTENTION_DEFAULT's backends for the device type that can run here (`triton`
+    on CUDA; `native`, else `sdpa`, on the CPU: measured fastest there, docs/BENCHMARKS.md section 4), `reference`
+    where none can."""
+    for name in ATTENTION_DEFAULT.get(device.type, ()):
+        if BACKENDS.get(name).available(device):
+            return name
+    return "reference"
 
 
 def create(name: str, device: torch.device) -> AttentionBackend:
@@ -90,4 +93,4 @@ def create(name: str, device: torch.device) -> AttentionBackend:
     return cls()
 
 
-from exspec.engine.backends import reference, sdpa, triton  # noqa: E402,F401  (registers them)
+from exspec.engine.backends import native, reference, sdpa, triton  # noqa: E402,F401  (registers them)

@@ -60,7 +60,7 @@ def test_a_long_context_resolves_and_the_kv_memory_setting_reaches_the_engine(tm
     for bad in ("0", "1.5", "0.0", "4XB", "lots"):
         with pytest.raises(ConfigError, match="--kv-cache-memory / EXSPEC_KV_CACHE_MEMORY: kv_cache_memory must be"):
             load_settings({"kv_cache_memory": bad})
-    with pytest.raises(ConfigError, match="attention_backend must be auto or one of reference, sdpa, triton"):
+    with pytest.raises(ConfigError, match="attention_backend must be auto or one of native, reference, sdpa, triton"):
         load_settings({"attention_backend": "flash"})
 
 

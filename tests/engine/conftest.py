@@ -31,8 +31,14 @@ def torch_cuda_available() -> bool:
 # the kernel can run here: triton imports, and CUDA or an interpreter recent enough (the root conftest sets
 # TRITON_INTERPRET=1 when there is no CUDA)
 HAS_TRITON = importlib.import_module("exspec.engine.kernels.paged_attention").available()
+# the native kernel builds here (a C compiler)
+HAS_NATIVE = importlib.import_module("exspec.engine.kernels.native").available()
+_CANNOT_RUN = {
+    "triton": (not HAS_TRITON, "triton cannot run here (not installed, or its interpreter is older than 3.7)"),
+    "native": (not HAS_NATIVE, "the native kernel cannot build here (no C compiler?)"),
+}
 BACKEND_PARAMS = [
-    pytest.param(name, marks=pytest.mark.skipif(name == "triton" and not HAS_TRITON, reason="triton cannot run here (not installed, or its interpreter is older than 3.7)"))
+    pytest.param(name, marks=pytest.mark.skipif(_CANNOT_RUN.get(name, (False,))[0], reason=_CANNOT_RUN.get(name, (False, ""))[1]))
     for name in backends.names()
 ]
 
