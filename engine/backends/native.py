@@ -2,7 +2,7 @@
 first use and cached: engine/kernels/native.py) reads each row's K/V in place through its block table, so rows whose
 blocks are scattered cost what consecutive ones do, and needs no mask (positions and the window are the kernel's).
 Forwards of more than MAX_KERNEL_QUERIES queries per row (prefill chunks) go to `sdpa`, whose batched GEMMs are
-faster there. Unavailable (no compiler, a failed build, or `EXSPEC_NATIVE_KERNEL=0`): the CPU's default is `sdpa`.
+faster there. Unavailable (no compiler, or a failed build): the CPU's default is `sdpa`.
 Measured against `sdpa` in docs/BENCHMARKS.md section 4."""
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from exspec.engine.kernels import native
 from exspec.engine.kv_cache import ForwardMeta
 
 # Queries per row up to which the kernel runs (decode, draft steps, verifies of k <= 7); longer forwards take `sdpa`.
-# Toy target (4 heads over 2 kv heads of 64), 8 rows, one thread, kernel / SDPA over consecutive rows: 256 keys 0.31x
-# (1 query), 0.63x (5), 0.94x (9), 1.21x (17); 2048 keys 0.91x, 0.90x, 1.19x, 1.42x (docs/BENCHMARKS.md section 4).
+# Attention alone, toy target (4 heads over 2 kv heads of 64), 8 rows, one thread, kernel / SDPA over consecutive
+# rows at 1, 5, 9, 17 queries: 256 keys 0.32x, 0.60x, 0.88x, 1.12x; 2048 keys 0.76x, 0.80x, 1.01x, 1.28x
+# (scripts/bench_native_kernel.py; docs/BENCHMARKS.md section 4).
 MAX_KERNEL_QUERIES = 8
 
 

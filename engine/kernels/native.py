@@ -5,8 +5,9 @@ It reads each row's K/V where its blocks lie in the pools (no gather into a buff
 scattered rows cost what consecutive ones do (docs/BENCHMARKS.md section 4). Plain C (GCC vector extensions, OpenMP
 over rows x kv heads), no torch headers: one `cc` call of about a second. The library is cached at
 `$EXSPEC_CACHE/kernels/` (default `~/.cache/exspec/kernels/`) under a hash of the source, the compiler and its flags,
-and the CPU's feature flags (`-march=native`), so a change of any of them builds anew. No compiler, or a failed
-build: `available()` is False with `unavailable_reason()` saying why, and the CPU's default backend is `sdpa`.
+and the CPU's feature flags (`-march=native`), so a change of any of them builds anew. The compiler is `$CC` if set,
+else the first of cc, gcc and clang found. No compiler, or a failed build: `available()` is False with
+`unavailable_reason()` saying why, and the CPU's default backend is `sdpa`.
 """
 
 from __future__ import annotations
@@ -90,8 +91,6 @@ def _build(cc: str, out: Path) -> None:
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str]:
     """(the loaded library, "") or (None, why not). Built once per machine and source, then loaded from the cache."""
-    if os.environ.get("EXSPEC_NATIVE_KERNEL", "1") == "0":
-        return None, "EXSPEC_NATIVE_KERNEL=0"
     cc = _compiler()
     if cc is None:
         return None, "no C compiler (cc, gcc or clang; or $CC)"
@@ -105,7 +104,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         lib = ctypes.CDLL(str(path))
         if lib.exspec_paged_abi() != ABI:
             return None, f"{path}: ABI {lib.exspec_paged_abi()}, expected {ABI}"
-    except (OSError, RuntimeError) as exc:
+    except (OSError, RuntimeError, AttributeError) as exc:  # AttributeError: a library without the entry points
         return None, f"the kernel did not build or load: {exc}"
     for name in _SYMBOL.values():
         fn = getattr(lib, name)

@@ -52,7 +52,7 @@ def test_no_folder_imports_upward(folder):
 
 def test_the_wheel_has_one_top_level_name(tmp_path):
     """`pip wheel --no-deps .` builds a wheel whose only importable top-level name is `exspec`, with the
-    question sets as package data."""
+    question sets and the CPU kernel's C source (built on first use: engine/kernels/native.py) as package data."""
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=300)
     (wheel,) = tmp_path.glob("exspec-*.whl")
@@ -62,6 +62,7 @@ def test_the_wheel_has_one_top_level_name(tmp_path):
     for sub in ("engine", "scheduler", "server", "loadtest", "cli", "bench", "demo", "data"):
         assert f"exspec/{sub}/__init__.py" in names
     assert "exspec/data/spec_bench_questions.jsonl" in names and "exspec/data/mt_bench_questions.jsonl" in names
+    assert "exspec/engine/kernels/paged_attention_cpu.c" in names
     assert not [n for n in names if n.startswith("exspec/") and "/tests/" in n]
 
 
