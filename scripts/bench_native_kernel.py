@@ -4,13 +4,16 @@ blocks interleave block by block (the worst case), against SDPA per row over a z
 (what `sdpa` does for rows of over 1024 keys, its best case) and SDPA over the scattered rows gathered into a kept
 buffer (what it does when they interleave). Toy-target shapes (4 query heads, 2 kv heads, head_dim 64, blocks of 16),
 kv_len 256 and 2048, 1 to 33 queries per row (decode, verifies, the short prefill chunks where the backend switches to
-`sdpa`: MAX_KERNEL_QUERIES); median of 9 calls, ms.
+`sdpa`: MAX_KERNEL_QUERIES); median of 9 calls, ms. `--heads 9 --kv-heads 3` are SmolLM2-135M's shapes;
+`--batch` and `--threads` set B and torch's (and the kernel's) threads.
 
     OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/python scripts/bench_native_kernel.py
+    .venv/bin/python scripts/bench_native_kernel.py --heads 9 --kv-heads 3 --batch 1 --threads 2
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -19,7 +22,7 @@ import torch
 from exspec.engine.kernels.native import paged_attention_cpu
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
-B, KVH, H, D, BS = 8, 2, 4, 64, 16
+D, BS = 64, 16
 KV_LENS, Q_LENS = (256, 2048), (1, 5, 9, 17, 33)
 
 
@@ -34,7 +37,15 @@ def ms(fn, n: int = 9) -> float:
 
 
 def main() -> None:
-    torch.set_num_threads(1)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args()
+    B, H, KVH = a.batch, a.heads, a.kv_heads
+    torch.set_num_threads(a.threads)
+    print(f"B = {B}, {H} heads over {KVH} kv heads of {D}, {a.threads} thread(s)\n")
     print("| kv_len | Q | sdpa, view ms | sdpa, gathered ms | native, consecutive ms | native, scattered ms | "
           "native consecutive / sdpa view | native scattered / consecutive |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -100,24 +100,23 @@ int NAME(const float* q, const T* k, const T* v, const int32_t* tables, int64_t 
     _Pragma("omp parallel for num_threads(nthreads) schedule(static) if(nthreads > 1 && B * KVH > 1)")                 \
     for (int64_t task = 0; task < B * KVH; task++) {                                                                   \
         const int64_t b = task / KVH, kh = task % KVH;                                                                 \
-        int64_t* hi = (int64_t*)malloc(sizeof(int64_t) * 2 * R);                                                       \
+        int64_t* hi = (int64_t*)malloc(sizeof(int64_t) * 2 * Q); /* per query: its keys [lo, hi) */                    \
         const int64_t bs8 = (bs + 7) / 8 * 8; /* the scores of a block, in whole vectors */                            \
         float* acc = (float*)malloc(sizeof(float) * (R * D + 2 * R + bs8 + 8));                                        \
         if (!acc || !hi) { free(acc); free(hi); err = 2; continue; }                                                   \
-        int64_t* lo = hi + R;                                                                                          \
+        int64_t* lo = hi + Q;                                                                                          \
         float *m = acc + R * D, *l = m + R;                                                                            \
         float* s = (float*)(((uintptr_t)(l + R) + 31) & ~(uintptr_t)31); /* 32-byte aligned */                         \
         const int64_t len = seq_lens[b] < max_blocks * bs ? seq_lens[b] : max_blocks * bs;                             \
         int64_t first = len, last = 0;                                                                                 \
-        for (int64_t r = 0; r < R; r++) { /* r = g * Q + qi */                                                         \
-            const int64_t p = len - Q + r % Q;                                                                         \
-            hi[r] = p + 1 > 0 ? p + 1 : 0;                                                                             \
-            lo[r] = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;                                             \
-            if (lo[r] < first) first = lo[r];                                                                          \
-            if (hi[r] > last) last = hi[r];                                                                            \
-            m[r] = -INFINITY;                                                                                          \
-            l[r] = 0.f;                                                                                                \
+        for (int64_t qi = 0; qi < Q; qi++) { /* query qi sits at position p */                                         \
+            const int64_t p = len - Q + qi;                                                                            \
+            hi[qi] = p + 1 > 0 ? p + 1 : 0;                                                                            \
+            lo[qi] = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;                                            \
+            if (lo[qi] < first) first = lo[qi];                                                                        \
+            if (hi[qi] > last) last = hi[qi];                                                                          \
         }                                                                                                              \
+        for (int64_t r = 0; r < R; r++) { m[r] = -INFINITY; l[r] = 0.f; } /* query row r = g * Q + qi */               \
         memset(acc, 0, sizeof(float) * R * D);                                                                         \
         for (int64_t j = first / bs; j * bs < last; j++) {                                                             \
             const int64_t id = tables[b * max_blocks + j];                                                             \
@@ -133,9 +132,10 @@ int NAME(const float* q, const T* k, const T* v, const int32_t* tables, int64_t 
             }                                                                                                          \
             const int64_t p0 = j * bs;                                                                                 \
             for (int64_t r = 0; r < R; r++) {                                                                          \
-                const int64_t t0 = lo[r] > p0 ? lo[r] - p0 : 0, t1 = hi[r] - p0 < bs ? hi[r] - p0 : bs;                \
+                const int64_t qi = r % Q, t0 = lo[qi] > p0 ? lo[qi] - p0 : 0;                                          \
+                const int64_t t1 = hi[qi] - p0 < bs ? hi[qi] - p0 : bs;                                                \
                 if (t1 <= t0) continue;                                                                                \
-                const float* qr = q + ((b * H + kh * G + r / Q) * Q + r % Q) * D;                                      \
+                const float* qr = q + ((b * H + kh * G + r / Q) * Q + qi) * D;                                      \
                 float mx = m[r];                                                                                       \
                 int64_t t = t0;                                                                                        \
                 for (; t + 4 <= t1; t += 4) { /* four keys at once: four independent accumulators */                   \

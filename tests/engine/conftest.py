@@ -33,12 +33,13 @@ def torch_cuda_available() -> bool:
 HAS_TRITON = importlib.import_module("exspec.engine.kernels.paged_attention").available()
 # the native kernel builds here (a C compiler)
 HAS_NATIVE = importlib.import_module("exspec.engine.kernels.native").available()
-_CANNOT_RUN = {
-    "triton": (not HAS_TRITON, "triton cannot run here (not installed, or its interpreter is older than 3.7)"),
-    "native": (not HAS_NATIVE, "the native kernel cannot build here (no C compiler?)"),
-}
+# backend -> why it cannot run here (absent: it can)
+_CANNOT_RUN = {name: why for name, cannot, why in [
+    ("triton", not HAS_TRITON, "triton cannot run here (not installed, or its interpreter is older than 3.7)"),
+    ("native", not HAS_NATIVE, "the native kernel cannot build here (no C compiler?)"),
+] if cannot}
 BACKEND_PARAMS = [
-    pytest.param(name, marks=pytest.mark.skipif(_CANNOT_RUN.get(name, (False,))[0], reason=_CANNOT_RUN.get(name, (False, ""))[1]))
+    pytest.param(name, marks=pytest.mark.skipif(name in _CANNOT_RUN, reason=_CANNOT_RUN.get(name, "")))
     for name in backends.names()
 ]
 
