@@ -47,8 +47,9 @@ over k = 0 (a large batch on the CPU), o can turn that gain into a loss (docs/BE
 
 Goodput per row: G(k) = T / (c(k) + o * n * T) for k > 0, T = 1 + f * (E(k) - 1), G(0) = 1 / c(0); f the
 fraction of rows that draft when k > 0 (rows that opted out emit one token whatever k is), n the bucket's
-mean rows per step, and c(k) never below c(0) (a drafting step does all a k = 0 step does and more: a lower
-measurement is noise). o leaves the choice among k > 0 as it is (a cost per token, the same for every k > 0):
+mean rows per step, and every c(k > 0) lifted by one factor so the cheapest is c(0) (a drafting step does all a k = 0
+step does and more: a lower measurement is noise, or GEMMs not monotone in rows; one factor keeps the relative costs
+of the k > 0, which the choice among them needs). o leaves the choice among k > 0 as it is (a cost per token, the same for every k > 0):
 it decides between drafting and not. The step runs k* = argmax G, and k = 0 unless some k beats
 it by `draft_margin` (5%: near-ties go to plain decoding, which skips the draft's prefill too, `drafting()`, and
 pays no catch-up; on the 350m pair at B = 8 fixed k = 1 was 1-3.5% slower than k = 0 in five runs while the
@@ -350,14 +351,20 @@ class AutoPolicy(SpeculationPolicy):
         rates, upper = self._acceptance_bounds()
         f = self._draft_fraction()
         per_token = self.draft_overhead() * max(1.0, st.rows)  # o * n: draft prefill seconds per token of a row
+        # A drafting step does all a k = 0 step does, and more: no k > 0 may look cheaper than k = 0. One factor lifts
+        # every k > 0 so the cheapest is c(0), which keeps their relative costs: measured below c(0) a k > 0 is noise, or
+        # a machine whose GEMMs are not monotone in rows (AVX-512 oneDNN, the 350m pair at B = 2: a k = 1 step 112-116 ms,
+        # k = 0 125-133 ms). Clipping each at c(0) made every k at or under it look alike, so the next k up won against a
+        # k = 2 that was cheaper (docs/BENCHMARKS.md section 2, session 28: k = 3 chosen at B = 2, 0.93x of fixed k = 2).
+        c0 = costs[0][0]
+        lift = max(1.0, c0 / min(c for k, (c, _) in costs.items() if k > 0)) if len(costs) > 1 else 1.0
         goodput, optimistic = {}, {}
         for k, (c, u) in costs.items():
             # calibrated: live steps do not measure relative costs (`_costs`), an exploration learns acceptance only
             low = c if st.ratios else c * max(0.5, 1 - u)
             t, t_up = 1 + f * (self._expected(rates, k) - 1), 1 + f * (self._expected(upper, k) - 1)
-            if k > 0:  # a drafting step does all a k = 0 step does, and more (a cost measured below it is noise);
-                # and its tokens need the draft prefilled
-                c, low = max(c, costs[0][0]), max(low, costs[0][0])
+            if k > 0:  # lifted (above); and its tokens need the draft prefilled
+                c, low = c * lift, max(low * lift, c0)
                 c, low = c + per_token * t, low + per_token * t_up
             goodput[k], optimistic[k] = t / c, t_up / low
         best = max(self.candidates, key=lambda k: (goodput[k], -k))
@@ -491,12 +498,16 @@ class AutoPolicy(SpeculationPolicy):
 
     def calibration(self, max_batch_size: int) -> list[tuple[int, int]]:
         """2 x `min_samples` recorded steps of each k in CALIBRATION_KS (up to k_max) at each bucket up to
-        max_batch_size, in two rounds of `min_samples` steps of each k: the ks > 0 (the second round in the reverse
-        order), then k = 0 after `settle_steps` more (k = 0 right after drafting steps costs more than plain decoding
-        does: on the toy pair twice, settling over some ten steps; interleaved step by step, it made drafting look half
-        as dear as it is). Two rounds, not one block per k: a slow spell on the machine (a neighbour's burst) then
-        skews every k's samples, not one k's relative cost (on the 350m pair at B = 1 a one-block calibration put
-        drafting below k = 0 where fixed k = 2 was 1.23x faster). Every bucket the server will run starts with its
+        max_batch_size, in two rounds of `min_samples` steps of each k: the ks > 0 interleaved step by step (1, 2, 3, 4,
+        1, 2, ...; the second round in the reverse order), then k = 0 after `settle_steps` more (k = 0 right after
+        drafting steps costs more than plain decoding does: on the toy pair twice, settling over some ten steps;
+        interleaved step by step with drafting steps, it made drafting look half as dear as it is; steps of two k > 0
+        cost alike after each other). Two rounds, not one block per k: a slow spell on the machine (a neighbour's burst)
+        then skews every k's samples, not one k's relative cost (on the 350m pair at B = 1 a one-block calibration put
+        drafting below k = 0 where fixed k = 2 was 1.23x faster); the ks > 0 step by step, not in blocks of
+        `min_samples`: a spell of a few steps, and the contexts' growth, then fall on all of them alike (the 350m pair,
+        6 calibrations each way: the spread of c(k + 1) / c(k) over the calibrations 1.0-8.0%, blocks, against
+        1.0-5.8%, docs/BENCHMARKS.md section 2, session 28). Every bucket the server will run starts with its
         k = 0 cost and its relative cost of drafting measured (twice the samples an exploration takes: a cost within
         a few percent of k = 0's is then told apart without exploring), and acceptance with some evidence, so live
         traffic is not where a draft that loses is found out."""
@@ -505,7 +516,7 @@ class AutoPolicy(SpeculationPolicy):
         sizes = sorted({min(1 << i, max_batch_size) for i in range(max(1, max_batch_size).bit_length() + 1)})
         ks = [k for k in self.candidates if k in CALIBRATION_KS or k == min(self.k_max, max(CALIBRATION_KS))][1:]
         n, plain = self.min_samples, [0] * (self.min_samples + self.settle_steps)
-        rounds = [k for order in (ks, ks[::-1]) for k in [*(k for k in order for _ in range(n)), *plain]]
+        rounds = [k for order in (ks, ks[::-1]) for k in [*(k for _ in range(n) for k in order), *plain]]
         return [(b, k) for b in sizes for k in rounds]
 
     def calibrated(self) -> None:
