@@ -135,7 +135,7 @@ int NAME(const float* q, const T* k, const T* v, const int32_t* tables, int64_t 
                 const int64_t qi = r % Q, t0 = lo[qi] > p0 ? lo[qi] - p0 : 0;                                          \
                 const int64_t t1 = hi[qi] - p0 < bs ? hi[qi] - p0 : bs;                                                \
                 if (t1 <= t0) continue;                                                                                \
-                const float* qr = q + ((b * H + kh * G + r / Q) * Q + qi) * D;                                      \
+                const float* qr = q + ((b * H + kh * G + r / Q) * Q + qi) * D;                                         \
                 float mx = m[r];                                                                                       \
                 int64_t t = t0;                                                                                        \
                 for (; t + 4 <= t1; t += 4) { /* four keys at once: four independent accumulators */                   \
