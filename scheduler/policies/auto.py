@@ -49,8 +49,8 @@ Goodput per row: G(k) = T / (c(k) + o * n * T) for k > 0, T = 1 + f * (E(k) - 1)
 fraction of rows that draft when k > 0 (rows that opted out emit one token whatever k is), n the bucket's
 mean rows per step, and every c(k > 0) lifted by one factor so the cheapest is c(0) (a drafting step does all a k = 0
 step does and more: a lower measurement is noise, or GEMMs not monotone in rows; one factor keeps the relative costs
-of the k > 0, which the choice among them needs). o leaves the choice among k > 0 as it is (a cost per token, the same for every k > 0):
-it decides between drafting and not. The step runs k* = argmax G, and k = 0 unless some k beats
+of the k > 0, which the choice among them needs). o leaves the choice among k > 0 as it is (a cost per token, the
+same for every k > 0): it decides between drafting and not. The step runs k* = argmax G, and k = 0 unless some k beats
 it by `draft_margin` (5%: near-ties go to plain decoding, which skips the draft's prefill too, `drafting()`, and
 pays no catch-up; on the 350m pair at B = 8 fixed k = 1 was 1-3.5% slower than k = 0 in five runs while the
 calibrated model put it 2% or more above); between two k > 0 the one running stays unless the other beats it by
@@ -351,11 +351,11 @@ class AutoPolicy(SpeculationPolicy):
         rates, upper = self._acceptance_bounds()
         f = self._draft_fraction()
         per_token = self.draft_overhead() * max(1.0, st.rows)  # o * n: draft prefill seconds per token of a row
-        # A drafting step does all a k = 0 step does, and more: no k > 0 may look cheaper than k = 0. One factor lifts
-        # every k > 0 so the cheapest is c(0), which keeps their relative costs: measured below c(0) a k > 0 is noise, or
-        # a machine whose GEMMs are not monotone in rows (AVX-512 oneDNN, the 350m pair at B = 2: a k = 1 step 112-116 ms,
-        # k = 0 125-133 ms). Clipping each at c(0) made every k at or under it look alike, so the next k up won against a
-        # k = 2 that was cheaper (docs/BENCHMARKS.md section 2, session 28: k = 3 chosen at B = 2, 0.93x of fixed k = 2).
+        # A drafting step does all a k = 0 step does, and more: no k > 0 may look cheaper than k = 0. One factor
+        # lifts every k > 0 so the cheapest is c(0), which keeps their relative costs: measured below c(0) a k > 0 is
+        # noise, or a machine whose GEMMs are not monotone in rows (AVX-512 oneDNN, the 350m pair at B = 2: a k = 1
+        # step 112-116 ms, k = 0 125-133 ms). Clipping each at c(0) made every k at or under it look alike, so the next
+        # k up won against a cheaper k = 2 (docs/BENCHMARKS.md section 2, run 11: k = 3 at B = 2, 0.93x of k = 2).
         c0 = costs[0][0]
         lift = max(1.0, c0 / min(c for k, (c, _) in costs.items() if k > 0)) if len(costs) > 1 else 1.0
         goodput, optimistic = {}, {}
@@ -506,11 +506,11 @@ class AutoPolicy(SpeculationPolicy):
         then skews every k's samples, not one k's relative cost (on the 350m pair at B = 1 a one-block calibration put
         drafting below k = 0 where fixed k = 2 was 1.23x faster); the ks > 0 step by step, not in blocks of
         `min_samples`: a spell of a few steps, and the contexts' growth, then fall on all of them alike (the 350m pair,
-        6 calibrations each way: the spread of c(k + 1) / c(k) over the calibrations 1.0-8.0%, blocks, against
-        1.0-5.8%, docs/BENCHMARKS.md section 2, session 28). Every bucket the server will run starts with its
-        k = 0 cost and its relative cost of drafting measured (twice the samples an exploration takes: a cost within
-        a few percent of k = 0's is then told apart without exploring), and acceptance with some evidence, so live
-        traffic is not where a draft that loses is found out."""
+        6 calibrations each way: the spread of c(k + 1) / c(k) over the calibrations 1.7-8.0%, mean 4.2%, in blocks,
+        1.0-5.8%, mean 2.6%, step by step; docs/BENCHMARKS.md section 2, session 28). Every bucket the server will run
+        starts with its k = 0 cost and its relative cost of drafting measured (twice the samples an exploration takes:
+        a cost within a few percent of k = 0's is then told apart without exploring), and acceptance with some
+        evidence, so live traffic is not where a draft that loses is found out."""
         if self.k_max == 0:
             return []
         sizes = sorted({min(1 << i, max_batch_size) for i in range(max(1, max_batch_size).bit_length() + 1)})
