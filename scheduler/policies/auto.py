@@ -501,8 +501,8 @@ class AutoPolicy(SpeculationPolicy):
         max_batch_size, in two rounds of `min_samples` steps of each k: the ks > 0 interleaved step by step (1, 2, 3, 4,
         1, 2, ...; the second round in the reverse order), then k = 0 after `settle_steps` more (k = 0 right after
         drafting steps costs more than plain decoding does: on the toy pair twice, settling over some ten steps;
-        interleaved step by step with drafting steps, it made drafting look half as dear as it is; steps of two k > 0
-        cost alike after each other). Two rounds, not one block per k: a slow spell on the machine (a neighbour's burst)
+        interleaved step by step with drafting steps, it made drafting look half as dear as it is; between two k > 0
+        no settling is assumed, both run the draft). Two rounds, not one block per k: a slow spell on the machine (a neighbour's burst)
         then skews every k's samples, not one k's relative cost (on the 350m pair at B = 1 a one-block calibration put
         drafting below k = 0 where fixed k = 2 was 1.23x faster); the ks > 0 step by step, not in blocks of
         `min_samples`: a spell of a few steps, and the contexts' growth, then fall on all of them alike (the 350m pair,
