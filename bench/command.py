@@ -130,6 +130,9 @@ def _throughput(args, template: EngineConfig, resolve_models, resolve_engine: Re
                             else "; not calibrated (--no-calibrate)")
                          + "; exspec-fixed and exspec-mixed: fixed k",
         "repeats": config.repeats,
+        "interleave": {"steps": "the engine methods one scheduler step each in turn, then the others whole (before "
+                                "them in odd repeats); methods in reverse order every other repeat",
+                       "runs": "each method's run whole, in turn; in reverse order every other repeat"}[config.interleave],
         "tokens/s": TIMING,
         "near-tie": (f"reference top-2 logit gap < {NEAR_TIE_EPS[config.dtype]}, or <= {NEAR_TIE_ULPS} units in the last "
                      f"place of the top-1 logit in {config.dtype}, at the first differing position"),

@@ -13,6 +13,7 @@ from exspec.errors import BenchError
 METHODS = ("target-ar", "hf-generate", "hf-assisted", "exspec-mixed", "exspec-fixed", "exspec")
 ENGINE_METHODS = ("target-ar", "exspec-mixed", "exspec-fixed", "exspec")  # through our engine and scheduler
 DRAFT_METHODS = ("hf-assisted", "exspec-mixed", "exspec-fixed", "exspec")  # need a draft model
+INTERLEAVE = ("steps", "runs")  # --interleave: how a repeat's methods take turns (bench/runner.py)
 DEFAULT_REPEATS = {"throughput": 3, "forward": 7}  # timed runs per point (--repeats), by --mode
 DEFAULT_KV_LENS = (256, 2048)  # --mode forward: keys per row (--kv-lens)
 SYNTHETIC_NAMES = ("tiny", "350m", "1b", "8b")  # exspec.bench.synthetic.SHAPES, in this order (torch-free here)
@@ -34,6 +35,9 @@ class BenchConfig:
     pool_factor: int | None = None
     repeats: int = DEFAULT_REPEATS["throughput"]  # timed runs per (method, B); the median is reported
     chat_template: bool = False  # prompts through the tokenizer's chat template
+    # how the methods of a repeat take turns: "steps", the engine methods one scheduler step each in turn (each run
+    # timed by its own steps), "runs", every method's run whole in turn (bench/runner.py)
+    interleave: str = INTERLEAVE[0]
     # one untimed run of the timed workload per (method, B) before the timed ones: the engine's first-run costs, and
     # the `exspec` policy enters its first timed run having seen the workload it is timed on (after a short warm-up,
     # 8 tokens for prompts of hundreds, its draft-prefill cost per token came out 4x the timed runs' and it ran k = 0
@@ -87,6 +91,8 @@ class BenchConfig:
             bad("--pool-factor", ">= 1", self.pool_factor)
         if self.repeats < 1:
             bad("--repeats", ">= 1", self.repeats)
+        if self.interleave not in INTERLEAVE:
+            bad("--interleave", f"one of {', '.join(INTERLEAVE)}", self.interleave)
         if self.dtype not in NEAR_TIE_EPS:
             bad("--dtype", f"one of {sorted(NEAR_TIE_EPS)}", self.dtype)
         if bad_k := next(filter(None, (check_num_speculative_tokens(k, "--fixed-ks") for k in self.fixed_ks)), None):

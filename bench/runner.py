@@ -8,7 +8,13 @@ Every method decodes the same prompts greedily to the same `max_tokens`, and is 
 token is on the host: prefill, scheduling, padding and every decode step are inside it; model loading,
 engine construction (KV pool allocation) and the warm-up run are not. The median over `repeats` timed
 runs is reported (methods interleaved within each repeat, in reverse order every other repeat: `repeat_order`,
-so noise from other jobs spreads evenly).
+so noise from other jobs spreads evenly). With `interleave="steps"` (the default) the methods through our engine
+run their repeat together, one scheduler step of each in turn, and each run's time is the sum of its own steps'
+wall times (`OfflineRun`): a slow spell of the machine then falls on every method alike, step by step, where a run
+of a method lasts tens of seconds and a spell may cover it whole (at B = 1 `target-ar` and `exspec-fixed-k0`, the
+same computation, measured 0.92x-1.04x of each other with whole runs interleaved: docs/BENCHMARKS.md section 2).
+The Hugging Face methods run whole, after the engine methods (before them in odd repeats). `interleave="runs"`:
+every method's run whole, in turn.
 
 Methods (`METHODS`):
 - `target-ar`: the target alone through our engine and scheduler, k = 0, pool W = B.
@@ -66,7 +72,7 @@ from exspec.engine import (
     SpecEngine,
     load_model_pair,
 )
-from exspec.scheduler import SchedulerConfig, SchedulerCore, SpeculationPolicy, generate_offline, policies
+from exspec.scheduler import OfflineRun, SchedulerConfig, SchedulerCore, SpeculationPolicy, policies
 from exspec.scheduler.types import default_pool_size
 
 from exspec.errors import BenchError
@@ -74,8 +80,8 @@ from exspec.errors import BenchError
 REFERENCE = ("target-ar", 1)  # (method, batch size) every method's outputs are compared with
 TIMING = (
     "generated tokens / wall time of the whole offline run (first prompt handed over to last token on the "
-    "host: prefill, scheduling, padding and decode included; model loading and warm-up excluded), median of "
-    "the repeats"
+    "host: prefill, scheduling, padding and decode included; model loading and warm-up excluded; with the engine "
+    "methods interleaved step by step, the sum of the run's own steps' wall times), median of the repeats"
 )
 
 
@@ -202,9 +208,7 @@ class Bench:
                     runners[(m, b)](self.prompts)  # the timed workload, untimed (see `warmup` in BenchConfig)
                     _tick(bar)
             for r in range(cfg.repeats):
-                for m in repeat_order(at_b, r):
-                    self._set(bar, f"{m} B={b}")
-                    run = runners[(m, b)](self.prompts)
+                for m, run in self._repeat(b, at_b, r, runners, bar):
                     runs.setdefault((m, b), []).append(run)
                     if self.log is not None:
                         acc = run.mean_acceptance_length
@@ -224,6 +228,36 @@ class Bench:
         if bar is not None:
             bar.close()
         return rows
+
+    def _repeat(self, b: int, methods: list[str], repeat: int, runners: dict, bar):
+        """Timed repeat `repeat` of `methods` at batch size b: yields (method, RunResult) as each run ends, the methods
+        in `repeat_order`. `interleave="runs"`: each method's run whole, in turn. "steps": the engine methods together,
+        one step of each in turn, each run timed by its own steps; the others whole, after them in even repeats and
+        before them in odd ones."""
+        order = repeat_order(methods, repeat)
+        if self.config.interleave == "runs":
+            for m in order:
+                self._set(bar, f"{m} B={b}")
+                yield m, runners[(m, b)](self.prompts)
+            return
+        stepped = [m for m in order if isinstance(runners[(m, b)], _EngineMethod)]
+        whole = [m for m in order if m not in stepped]
+        reverse = repeat % 2 == 1
+        if reverse:
+            for m in whole:
+                self._set(bar, f"{m} B={b}")
+                yield m, runners[(m, b)](self.prompts)
+        self._set(bar, f"{len(stepped)} engine methods step by step, B={b}")
+        active = {m: runners[(m, b)].start(self.prompts) for m in stepped}
+        while active:
+            for m in list(active):
+                active[m].step()
+                if active[m].done:
+                    yield m, runners[(m, b)].finish(active.pop(m))
+        if not reverse:
+            for m in whole:
+                self._set(bar, f"{m} B={b}")
+                yield m, runners[(m, b)](self.prompts)
 
     @staticmethod
     def _set(bar, text: str) -> None:
@@ -315,30 +349,9 @@ class Bench:
         # it across requests: each run then measures the policy's steady state, not its first steps again.
         policy = policies.create(sched.speculation, k)
         self._policies[(method, b)] = policy
-        uncalibrated = method == "exspec" and cfg.calibrate
-
-        def run(prompts: list[list[int]]) -> RunResult:
-            nonlocal uncalibrated
-            if uncalibrated:  # as `exspec serve` before serving: once, before the first run, untimed
-                prompts_for_calibration = calibration_prompts(self.pair.tokenizer, b, self.max_model_len)
-                SchedulerCore(engine, sched, policy).calibrate(prompts_for_calibration)
-                uncalibrated = False
-            params = [SamplingParams(max_tokens=cfg.max_tokens)] * len(prompts)
-            results, summary = generate_offline(engine, prompts, params, sched, speculation=policy)
-            failed = [r for r in results if r.error]
-            if failed:
-                raise BenchError(f"{method} B={b}: prompt {failed[0].index} failed: {failed[0].error}")
-            return RunResult(
-                outputs=[r.token_ids for r in results],
-                seconds=summary.wall_seconds,
-                mean_acceptance_length=summary.mean_acceptance_length,
-                grouped_fraction=summary.grouped_fraction,
-                forward_s_per_step=summary.forward_seconds_per_step,
-                decode_tokens_per_s=(summary.num_decode_tokens / summary.decode_seconds
-                                     if summary.decode_seconds > 0 else None),
-            )
-
-        return run
+        calibrate = method == "exspec" and cfg.calibrate
+        return _EngineMethod(f"{method} B={b}", engine, sched, policy, cfg.max_tokens,
+                             self.pair.tokenizer if calibrate else None, self.max_model_len)
 
     def _pad_id(self) -> int:
         tok = self.pair.tokenizer
@@ -447,6 +460,47 @@ class Bench:
         if key not in self._top2_cache:
             self._top2_cache[key] = top2_logits(self.pair.target, self.prompts[i] + prefix, self.pair.vocab_size)
         return self._top2_cache[key]
+
+
+class _EngineMethod:
+    """A method through our engine at one batch size: `start(prompts)` hands them over and returns the run, which its
+    caller steps (`OfflineRun.step`) to the end, then `finish(run)`; calling it does all three. Given a tokenizer, the
+    policy runs its calibration steps before the first run, untimed, as `exspec serve` does before serving."""
+
+    def __init__(self, name: str, engine: SpecEngine, sched: SchedulerConfig, policy: SpeculationPolicy,
+                 max_tokens: int, calibrate_with=None, max_model_len: int = 0) -> None:
+        self.name, self.engine, self.sched, self.policy = name, engine, sched, policy
+        self.max_tokens, self.calibrate_with, self.max_model_len = max_tokens, calibrate_with, max_model_len
+
+    def start(self, prompts: list[list[int]]) -> OfflineRun:
+        if self.calibrate_with is not None:  # once, before the first run
+            prompts_for_calibration = calibration_prompts(self.calibrate_with, self.sched.max_batch_size,
+                                                          self.max_model_len)
+            SchedulerCore(self.engine, self.sched, self.policy).calibrate(prompts_for_calibration)
+            self.calibrate_with = None
+        params = [SamplingParams(max_tokens=self.max_tokens)] * len(prompts)
+        return OfflineRun(self.engine, prompts, params, self.sched, speculation=self.policy)
+
+    def finish(self, run: OfflineRun) -> RunResult:
+        results, summary = run.results(), run.summary
+        failed = [r for r in results if r.error]
+        if failed:
+            raise BenchError(f"{self.name}: prompt {failed[0].index} failed: {failed[0].error}")
+        return RunResult(
+            outputs=[r.token_ids for r in results],
+            seconds=summary.wall_seconds,
+            mean_acceptance_length=summary.mean_acceptance_length,
+            grouped_fraction=summary.grouped_fraction,
+            forward_s_per_step=summary.forward_seconds_per_step,
+            decode_tokens_per_s=(summary.num_decode_tokens / summary.decode_seconds
+                                 if summary.decode_seconds > 0 else None),
+        )
+
+    def __call__(self, prompts: list[list[int]]) -> RunResult:
+        run = self.start(prompts)
+        while not run.done:
+            run.step()
+        return self.finish(run)
 
 
 def _copy(gen_config):

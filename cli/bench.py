@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from exspec.bench.config import DEFAULT_KV_LENS, DEFAULT_REPEATS, METHODS, SYNTHETIC_CACHE, SYNTHETIC_NAMES, BenchConfig
+from exspec.bench.config import (
+    DEFAULT_KV_LENS, DEFAULT_REPEATS, INTERLEAVE, METHODS, SYNTHETIC_CACHE, SYNTHETIC_NAMES, BenchConfig,
+)
 from exspec.cli.flags import ENGINE_FIELDS, add_settings_arguments, resolve_models, settings_from_args
 from exspec.scheduler.types import POOL_FACTOR
 
@@ -83,6 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=None,
                    help=f"timed runs per point; the median is reported (default: {DEFAULT_REPEATS['throughput']}; "
                         f"forward mode: {DEFAULT_REPEATS['forward']})")
+    p.add_argument("--interleave", choices=INTERLEAVE, default=None,
+                   help="how each repeat's methods take turns: steps (the engine methods one scheduler step each in "
+                        "turn, each run timed by its own steps) or runs (each method's run whole, in turn) "
+                        f"(default: {BenchConfig.interleave})")
     p.add_argument("--chat-template", dest="chat_template", action="store_const", const=True, default=None,
                    help="prompts as a user turn through the chat template")
     p.add_argument("--no-warmup", dest="warmup", action="store_const", const=False, default=None,

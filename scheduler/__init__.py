@@ -17,6 +17,7 @@ _EXPORTS = {
     "Candidate": "exspec.scheduler.policy",
     "EngineProtocol": "exspec.scheduler.core",
     "OfflineResult": "exspec.scheduler.offline",
+    "OfflineRun": "exspec.scheduler.offline",
     "QueueFullError": "exspec.scheduler.types",
     "RequestOutput": "exspec.scheduler.types",
     "RequestStream": "exspec.scheduler.async_scheduler",
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from exspec.engine.params import SamplingParams
     from exspec.scheduler.async_scheduler import AsyncScheduler, RequestStream
     from exspec.scheduler.core import EngineProtocol, SchedulerCore
-    from exspec.scheduler.offline import OfflineResult, RunSummary, generate_offline
+    from exspec.scheduler.offline import OfflineResult, OfflineRun, RunSummary, generate_offline
     from exspec.scheduler.policies import SpeculationPolicy
     from exspec.scheduler.policy import BatchChoice, Candidate, choose_batch
     from exspec.scheduler.types import QueueFullError, RequestOutput, SchedulerClosedError, SchedulerConfig, StepStats

@@ -80,6 +80,49 @@ class RunSummary:
             self.num_accepted_tokens += sum(stats.accepted_per_position)
 
 
+class OfflineRun:
+    """One offline run, stepped by its caller: `step()` runs one scheduler step and adds its wall time to
+    `summary.wall_seconds`, so that a caller may run several (one per engine) in turn, step by step, and time each
+    alone (`exspec bench`'s step interleaving: a slow spell of the machine then falls on every method alike).
+    `generate_offline` steps one to the end. Prompts are handed over at construction (untimed: a few microseconds)."""
+
+    def __init__(
+        self,
+        engine: EngineProtocol,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        config: SchedulerConfig,
+        speculation: SpeculationPolicy | None = None,
+    ) -> None:
+        self.core = SchedulerCore(engine, replace(config, max_prefill_chunk_s=0.0), speculation)
+        self.requests = [Request(str(i), list(p), sp, order=i) for i, (p, sp) in enumerate(zip(prompts, params))]
+        for r in self.requests:
+            self.core.add(r)
+        self.summary = RunSummary()
+
+    @property
+    def done(self) -> bool:
+        return not self.core.has_work()
+
+    def step(self) -> int:
+        """One scheduler step; returns the number of requests it finished."""
+        t0 = time.perf_counter()
+        deltas, stats = self.core.step()
+        seconds = time.perf_counter() - t0
+        for st in stats:  # one per engine call (several only while a failing row is isolated)
+            self.summary.add(st, seconds / len(stats))
+        self.summary.num_generated_tokens += sum(len(out.token_ids) for _, out in deltas)
+        self.summary.wall_seconds += time.perf_counter() - t0
+        return sum(1 for _, out in deltas if out.finished)
+
+    def results(self) -> list[OfflineResult]:
+        """In input order."""
+        return [
+            OfflineResult(i, list(r.output_token_ids), r.text, r.finish_reason, r.error)
+            for i, r in enumerate(self.requests)
+        ]
+
+
 def generate_offline(
     engine: EngineProtocol,
     prompts: list[list[int]],
@@ -90,36 +133,24 @@ def generate_offline(
 ) -> tuple[list[OfflineResult], RunSummary]:
     """Run every prompt to completion; results come back in input order. `speculation`: a policy to keep
     across calls (what it measured carries over, as in a server); None: a fresh one from `config`.
+    `summary.wall_seconds` is the run's wall time, first step to last.
 
     No stream waits between two tokens of an offline run, so its prefill chunks are not cut to
     `max_prefill_chunk_s` (a server's inter-token latency bound): a long prompt is prefilled in chunks of
     `max_prefill_tokens` and joins the decode batch sooner, and a large chunk costs less per token than a small one
     (docs/BENCHMARKS.md section 2)."""
-    core = SchedulerCore(engine, replace(config, max_prefill_chunk_s=0.0), speculation)
-    reqs = [Request(str(i), list(p), sp, order=i) for i, (p, sp) in enumerate(zip(prompts, params))]
-    for r in reqs:
-        core.add(r)
-    summary = RunSummary()
+    run = OfflineRun(engine, prompts, params, config, speculation)
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(reqs), unit="req", desc="generate", leave=False)
+        bar = tqdm(total=len(run.requests), unit="req", desc="generate", leave=False)
     start = time.perf_counter()
-    while core.has_work():
-        t0 = time.perf_counter()
-        deltas, stats = core.step()
-        seconds = time.perf_counter() - t0
-        for st in stats:  # one per engine call (several only while a failing row is isolated)
-            summary.add(st, seconds / len(stats))
-        summary.num_generated_tokens += sum(len(out.token_ids) for _, out in deltas)
+    while not run.done:
+        finished = run.step()
         if bar is not None:
-            bar.update(sum(1 for _, out in deltas if out.finished))
-    summary.wall_seconds = time.perf_counter() - start
+            bar.update(finished)
+    run.summary.wall_seconds = time.perf_counter() - start
     if bar is not None:
         bar.close()
-    results = [
-        OfflineResult(i, list(r.output_token_ids), r.text, r.finish_reason, r.error)
-        for i, r in enumerate(reqs)
-    ]
-    return results, summary
+    return run.results(), run.summary

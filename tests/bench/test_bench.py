@@ -134,6 +134,14 @@ def test_bad_options_are_reported_before_loading_anything(tmp_path, capsys):
     assert "need a draft model" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "--methods", "exspec,vllm"])
+    with pytest.raises(SystemExit):
+        main(["bench", "--interleave", "tokens"])
+    from exspec.bench.config import BenchConfig
+    from exspec.engine import EngineConfig
+    from exspec.errors import BenchError
+
+    with pytest.raises(BenchError, match="--interleave must be one of steps, runs"):
+        BenchConfig(engine=EngineConfig(model=tmp_path), methods=("target-ar",), interleave="tokens")
 
 
 def test_divergences_are_classified_by_the_reference_gap():
@@ -355,10 +363,67 @@ def test_repeats_run_the_methods_forward_then_backward(pair, tmp_path, capsys):
         "bench", "--model", str(target), "--draft-model", str(draft), "--num-prompts", "1", "--max-tokens", "2",
         "--batch-sizes", "1", "--methods", "target-ar,exspec-fixed,exspec", "--fixed-ks", "0", "--repeats", "3",
         "--max-prompt-len", "64", "--no-warmup", "--no-progress", "--output", str(tmp_path), "--device", "cpu",
+        "--interleave", "runs",
     ])
     assert rc == 0
     ran = [line.split(" ")[1] for line in capsys.readouterr().err.splitlines() if line.startswith("[bench] ")]
     assert ran == methods + methods[::-1] + methods
+    assert "each method's run whole, in turn" in (tmp_path / "results.md").read_text()
+
+
+def test_engine_methods_step_in_turn_and_each_run_is_timed_by_its_own_steps(pair, monkeypatch):
+    """The default interleave: within a repeat the engine methods run one scheduler step each in turn (in
+    `repeat_order`), the Hugging Face ones whole after them (before them in odd repeats); a run's seconds are the sum
+    of its own steps' wall times, and the outputs are the target's, as with whole runs."""
+    import exspec.bench.runner as runner
+    from exspec.engine import EngineConfig
+
+    target, draft = pair
+    engine = EngineConfig(model=target, draft_model=draft, max_num_speculative_tokens=2, device="cpu")
+    config = runner.BenchConfig(engine=engine, methods=("target-ar", "hf-generate", "exspec-fixed"), fixed_ks=(0, 2),
+                                batch_sizes=(1,), num_prompts=2, max_tokens=5, max_prompt_len=64, repeats=2,
+                                warmup=False)
+    assert config.interleave == "steps"
+    events, step_seconds = [], {}
+    start, step, hf = runner._EngineMethod.start, runner.OfflineRun.step, runner.Bench._hf_generate
+
+    def tagged_start(self, prompts):
+        run = start(self, prompts)
+        run.name = self.name.split(" ")[0]
+        return run
+
+    def recorded_step(self):
+        events.append(self.name)
+        t0 = runner.time.perf_counter()
+        finished = step(self)
+        step_seconds.setdefault(id(self), []).append(runner.time.perf_counter() - t0)
+        return finished
+
+    def recorded_hf(self, prompts, b):
+        events.append("hf-generate")
+        return hf(self, prompts, b)
+
+    monkeypatch.setattr(runner._EngineMethod, "start", tagged_start)
+    monkeypatch.setattr(runner.OfflineRun, "step", recorded_step)
+    monkeypatch.setattr(runner.Bench, "_hf_generate", recorded_hf)
+    bench = runner.Bench(config, progress=False)
+    rows = {r.method: r for r in bench.run()}
+    engine_methods = ["target-ar", "exspec-fixed-k0", "exspec-fixed-k2"]
+    split = events.index("hf-generate")  # repeat 0: the engine methods' steps, then hf-generate whole
+    assert events[split + 1] == "hf-generate" and "hf-generate" not in events[split + 2:]  # repeat 1: hf first
+    for steps, order in ((events[:split], engine_methods), (events[split + 2:], engine_methods[::-1])):
+        # one step of each in turn while all three run (each takes several: a prefill, then decode steps)
+        counts = {m: steps.count(m) for m in order}
+        assert min(counts.values()) >= 3
+        turns = min(counts.values()) * len(order)
+        assert steps[:turns] == order * min(counts.values())
+    for m in engine_methods:
+        row = rows[m]
+        assert row.equivalence_rate == 1.0 and len(row.seconds_per_repeat) == 2
+    # each run's seconds: the sum of its steps' (the wrapper's clock around them is a little longer)
+    sums = sorted(sum(s) for s in step_seconds.values())
+    runs = sorted(s for m in engine_methods for s in rows[m].seconds_per_repeat)
+    assert all(r <= s for r, s in zip(runs, sums)) and all(r > 0.5 * s for r, s in zip(runs, sums))
 
 
 @pytest.mark.parametrize("flag", ["--calibrate", "--no-calibrate"])
