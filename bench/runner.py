@@ -231,33 +231,35 @@ class Bench:
 
     def _repeat(self, b: int, methods: list[str], repeat: int, runners: dict, bar):
         """Timed repeat `repeat` of `methods` at batch size b: yields (method, RunResult) as each run ends, the methods
-        in `repeat_order`. `interleave="runs"`: each method's run whole, in turn. "steps": the engine methods together,
-        one step of each in turn, each run timed by its own steps; the others whole, after them in even repeats and
-        before them in odd ones."""
+        in `repeat_order`. `interleave="runs"`: each method's run whole, in turn. "steps": every method's run at once,
+        in rounds: one scheduler step of each engine method in turn, and a Hugging Face method's next `generate` call
+        (a prompt of hf-assisted, a static batch of hf-generate) once the engine methods are past its middle (the
+        engine methods' mean share of their tokens generated), so that its calls are spread over the repeat as the
+        steps are. Each run is timed by its own steps or calls."""
         order = repeat_order(methods, repeat)
         if self.config.interleave == "runs":
             for m in order:
                 self._set(bar, f"{m} B={b}")
                 yield m, runners[(m, b)](self.prompts)
             return
-        stepped = [m for m in order if isinstance(runners[(m, b)], _EngineMethod)]
-        whole = [m for m in order if m not in stepped]
-        reverse = repeat % 2 == 1
-        if reverse:
-            for m in whole:
-                self._set(bar, f"{m} B={b}")
-                yield m, runners[(m, b)](self.prompts)
-        self._set(bar, f"{len(stepped)} engine methods step by step, B={b}")
-        active = {m: runners[(m, b)].start(self.prompts) for m in stepped}
+        self._set(bar, f"{len(order)} methods step by step, B={b}")
+        runs = {m: runners[(m, b)].start(self.prompts) for m in order}
+        engine = [runs[m] for m in order if isinstance(runs[m], OfflineRun)]
+        tokens = len(self.prompts) * self.config.max_tokens
+
+        def progress() -> float:  # the engine methods' mean share of their tokens generated
+            return statistics.fmean(1.0 if r.done else r.summary.num_generated_tokens / tokens for r in engine)
+
+        active = list(order)
         while active:
             for m in list(active):
-                active[m].step()
-                if active[m].done:
-                    yield m, runners[(m, b)].finish(active.pop(m))
-        if not reverse:
-            for m in whole:
-                self._set(bar, f"{m} B={b}")
-                yield m, runners[(m, b)](self.prompts)
+                run = runs[m]
+                if isinstance(run, _Calls) and engine and progress() < (run.calls_done + 0.5) / len(run.calls):
+                    continue  # a call covers its share of the run: it runs once the engine methods are past its middle
+                run.step()
+                if run.done:
+                    active.remove(m)
+                    yield m, runners[(m, b)].finish(run)
 
     @staticmethod
     def _set(bar, text: str) -> None:
@@ -304,8 +306,8 @@ class Bench:
         if _base(method) in ENGINE_METHODS:
             return self._engine_runner(method, b)
         if method == "hf-generate":
-            return lambda prompts: self._hf_generate(prompts, b)
-        return self._hf_assisted
+            return _HFMethod(lambda prompts: self._hf_generate(prompts, b), self._sync)
+        return _HFMethod(self._hf_assisted, self._sync)
 
     def _pool_size(self, method: str, b: int) -> int:
         if method == "target-ar":
@@ -382,43 +384,41 @@ class Bench:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    @torch.inference_mode()
-    def _hf_generate(self, prompts: list[list[int]], b: int) -> RunResult:
-        """Static batches of b prompts, left-padded with the tokenizer's pad id (padding_side="left")."""
+    def _hf_generate(self, prompts: list[list[int]], b: int) -> list[Callable[[], tuple[list[list[int]], int]]]:
+        """Static batches of b prompts, left-padded with the tokenizer's pad id (padding_side="left"): one call each,
+        returning (outputs, target forward calls); acceptance length 1."""
         gen_cfg = self._generation_config(self.config.max_tokens)
         model = self.pair.target
-        outputs: list[list[int]] = []
-        self._sync()
-        start = time.perf_counter()
-        for i in range(0, len(prompts), b):
-            batch = prompts[i : i + b]
+
+        @torch.inference_mode()
+        def call(batch: list[list[int]]) -> tuple[list[list[int]], int]:
             width = max(len(p) for p in batch)
             ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in batch], device=self.device)  # [b, P]
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=self.device)  # [b, P]
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)  # [b, P + n]
-            outputs.extend(self._cut(row) for row in out[:, width:].tolist())
-        seconds = time.perf_counter() - start
-        return RunResult(outputs, seconds, 1.0, None)
+            return [self._cut(row) for row in out[:, width:].tolist()], 0
 
-    @torch.inference_mode()
-    def _hf_assisted(self, prompts: list[list[int]]) -> RunResult:
+        return [lambda batch=prompts[i : i + b]: call(batch) for i in range(0, len(prompts), b)]
+
+    def _hf_assisted(self, prompts: list[list[int]]) -> list[Callable[[], tuple[list[list[int]], int]]]:
         """Assisted generation at batch 1 with exactly k draft tokens per step (constant schedule, no
-        confidence-based early stop). Acceptance length: generated tokens / target forward calls."""
+        confidence-based early stop), one call per prompt returning (outputs, target forward calls). Acceptance
+        length: generated tokens / target forward calls."""
         k = self.config.num_speculative_tokens
         gen_cfg = self._generation_config(self.config.max_tokens)
         target, draft = self.pair.target, self.pair.draft
-        saved = draft.generation_config
-        draft.generation_config = _copy(saved)
-        draft.generation_config.num_assistant_tokens = k
-        draft.generation_config.num_assistant_tokens_schedule = "constant"
-        draft.generation_config.assistant_confidence_threshold = 0.0  # 0: never stop drafting early
-        calls = [0]
-        hook = target.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-        outputs: list[list[int]] = []
-        try:
-            self._sync()
-            start = time.perf_counter()
-            for p in prompts:
+        assisting = _copy(draft.generation_config)
+        assisting.num_assistant_tokens = k
+        assisting.num_assistant_tokens_schedule = "constant"
+        assisting.assistant_confidence_threshold = 0.0  # 0: never stop drafting early
+
+        @torch.inference_mode()
+        def call(p: list[int]) -> tuple[list[list[int]], int]:
+            # set and undone around each call (microseconds): the engine methods stepped between calls share the models
+            saved, draft.generation_config = draft.generation_config, assisting
+            calls = [0]
+            hook = target.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+            try:
                 ids = torch.tensor([p], device=self.device)  # [1, P]
                 out = target.generate(
                     input_ids=ids,
@@ -426,13 +426,12 @@ class Bench:
                     generation_config=gen_cfg,
                     assistant_model=draft,
                 )  # [1, P + n]
-                outputs.append(self._cut(out[0, len(p) :].tolist()))
-            seconds = time.perf_counter() - start
-        finally:
-            hook.remove()
-            draft.generation_config = saved
-        tokens = sum(len(o) for o in outputs)
-        return RunResult(outputs, seconds, tokens / calls[0] if calls[0] else None, None)
+                return [self._cut(out[0, len(p) :].tolist())], calls[0]
+            finally:
+                hook.remove()
+                draft.generation_config = saved
+
+        return [lambda p=p: call(p) for p in prompts]
 
     # ------------------------------------------------------------------ equivalence
 
@@ -495,6 +494,52 @@ class _EngineMethod:
             decode_tokens_per_s=(summary.num_decode_tokens / summary.decode_seconds
                                  if summary.decode_seconds > 0 else None),
         )
+
+    def __call__(self, prompts: list[list[int]]) -> RunResult:
+        run = self.start(prompts)
+        while not run.done:
+            run.step()
+        return self.finish(run)
+
+
+class _Calls:
+    """A Hugging Face method's run as the `generate` calls its caller makes one at a time (`step`), each timed alone
+    (the device synchronised around it): `exspec bench`'s step interleaving spreads them over the engine methods'
+    steps. Each call returns (outputs, target forward calls)."""
+
+    def __init__(self, calls: list, sync: Callable[[], None]) -> None:
+        self.calls, self.sync = calls, sync
+        self.calls_done, self.outputs, self.forwards, self.seconds = 0, [], 0, 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.calls_done == len(self.calls)
+
+    def step(self) -> None:
+        self.sync()
+        start = time.perf_counter()
+        outputs, forwards = self.calls[self.calls_done]()
+        self.sync()
+        self.seconds += time.perf_counter() - start
+        self.outputs.extend(outputs)
+        self.forwards += forwards
+        self.calls_done += 1
+
+
+class _HFMethod:
+    """A Hugging Face method: `calls(prompts)` gives its `generate` calls; `start`, `finish` and calling it as
+    `_EngineMethod`. Acceptance length: generated tokens / target forwards counted by the calls (1 where none are)."""
+
+    def __init__(self, calls: Callable[[list[list[int]]], list], sync: Callable[[], None] = lambda: None) -> None:
+        self.calls, self.sync = calls, sync
+
+    def start(self, prompts: list[list[int]]) -> _Calls:
+        return _Calls(self.calls(prompts), self.sync)
+
+    def finish(self, run: _Calls) -> RunResult:
+        tokens = sum(len(o) for o in run.outputs)
+        acceptance = tokens / run.forwards if run.forwards else 1.0
+        return RunResult(run.outputs, run.seconds, acceptance, None)
 
     def __call__(self, prompts: list[list[int]]) -> RunResult:
         run = self.start(prompts)

@@ -371,10 +371,11 @@ def test_repeats_run_the_methods_forward_then_backward(pair, tmp_path, capsys):
     assert "each method's run whole, in turn" in (tmp_path / "results.md").read_text()
 
 
-def test_engine_methods_step_in_turn_and_each_run_is_timed_by_its_own_steps(pair, monkeypatch):
+def test_methods_step_in_turn_and_each_run_is_timed_by_its_own_steps(pair, monkeypatch):
     """The default interleave: within a repeat the engine methods run one scheduler step each in turn (in
-    `repeat_order`), the Hugging Face ones whole after them (before them in odd repeats); a run's seconds are the sum
-    of its own steps' wall times, and the outputs are the target's, as with whole runs."""
+    `repeat_order`), and a Hugging Face method's `generate` calls are spread among those steps (one once the engine
+    methods are past its middle); a run's seconds are the sum of its own steps' wall times, and the outputs are the
+    target's, as with whole runs."""
     import exspec.bench.runner as runner
     from exspec.engine import EngineConfig
 
@@ -390,6 +391,7 @@ def test_engine_methods_step_in_turn_and_each_run_is_timed_by_its_own_steps(pair
     def tagged_start(self, prompts):
         run = start(self, prompts)
         run.name = self.name.split(" ")[0]
+        events.append("start")
         return run
 
     def recorded_step(self):
@@ -400,8 +402,12 @@ def test_engine_methods_step_in_turn_and_each_run_is_timed_by_its_own_steps(pair
         return finished
 
     def recorded_hf(self, prompts, b):
-        events.append("hf-generate")
-        return hf(self, prompts, b)
+        def recorded(call):
+            def run():
+                events.append("hf-generate")
+                return call()
+            return run
+        return [recorded(call) for call in hf(self, prompts, b)]
 
     monkeypatch.setattr(runner._EngineMethod, "start", tagged_start)
     monkeypatch.setattr(runner.OfflineRun, "step", recorded_step)
@@ -409,18 +415,21 @@ def test_engine_methods_step_in_turn_and_each_run_is_timed_by_its_own_steps(pair
     bench = runner.Bench(config, progress=False)
     rows = {r.method: r for r in bench.run()}
     engine_methods = ["target-ar", "exspec-fixed-k0", "exspec-fixed-k2"]
-    split = events.index("hf-generate")  # repeat 0: the engine methods' steps, then hf-generate whole
-    assert events[split + 1] == "hf-generate" and "hf-generate" not in events[split + 2:]  # repeat 1: hf first
-    for steps, order in ((events[:split], engine_methods), (events[split + 2:], engine_methods[::-1])):
-        # one step of each in turn while all three run (each takes several: a prefill, then decode steps)
-        counts = {m: steps.count(m) for m in order}
-        assert min(counts.values()) >= 3
-        turns = min(counts.values()) * len(order)
-        assert steps[:turns] == order * min(counts.values())
-    for m in engine_methods:
+    text = " ".join(events)
+    repeats = [r.split() for r in text.split("start start start") if r.strip()]
+    assert len(repeats) == 2
+    for events_of, order in zip(repeats, (engine_methods, engine_methods[::-1])):
+        steps = [e for e in events_of if e != "hf-generate"]
+        # one step of each engine method in turn while all three run (each takes several: a prefill, then decodes)
+        rounds = min(steps.count(m) for m in order)
+        assert rounds >= 3 and steps[: rounds * len(order)] == order * rounds
+        # hf-generate's two calls (B = 1: a prompt each), spread among the steps: not first, not after them all
+        calls = [i for i, e in enumerate(events_of) if e == "hf-generate"]
+        assert len(calls) == 2 and calls[0] >= len(order) and calls[0] < len(events_of) - 2
+    for m in [*engine_methods, "hf-generate"]:
         row = rows[m]
         assert row.equivalence_rate == 1.0 and len(row.seconds_per_repeat) == 2
-    # each run's seconds: the sum of its steps' (the wrapper's clock around them is a little longer)
+    # each engine run's seconds: the sum of its steps' (the wrapper's clock around them is a little longer)
     sums = sorted(sum(s) for s in step_seconds.values())
     runs = sorted(s for m in engine_methods for s in rows[m].seconds_per_repeat)
     assert all(r <= s for r, s in zip(runs, sums)) and all(r > 0.5 * s for r, s in zip(runs, sums))
