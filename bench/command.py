@@ -130,9 +130,11 @@ def _throughput(args, template: EngineConfig, resolve_models, resolve_engine: Re
                             else "; not calibrated (--no-calibrate)")
                          + "; exspec-fixed and exspec-mixed: fixed k",
         "repeats": config.repeats,
-        "interleave": {"steps": "the engine methods one scheduler step each in turn, then the others whole (before "
-                                "them in odd repeats); methods in reverse order every other repeat",
-                       "runs": "each method's run whole, in turn; in reverse order every other repeat"}[config.interleave],
+        "interleave": {
+            "steps": "every method's run at once, one piece at a time (an engine step, a Hugging Face generate call), "
+                     "the next piece always the run's least far along in its tokens: the runs end together",
+            "runs": "each method's run whole, in turn; in reverse order every other repeat",
+        }[config.interleave],
         "tokens/s": TIMING,
         "near-tie": (f"reference top-2 logit gap < {NEAR_TIE_EPS[config.dtype]}, or <= {NEAR_TIE_ULPS} units in the last "
                      f"place of the top-1 logit in {config.dtype}, at the first differing position"),

@@ -35,8 +35,9 @@ class BenchConfig:
     pool_factor: int | None = None
     repeats: int = DEFAULT_REPEATS["throughput"]  # timed runs per (method, B); the median is reported
     chat_template: bool = False  # prompts through the tokenizer's chat template
-    # how the methods of a repeat take turns: "steps", the engine methods one scheduler step each in turn (each run
-    # timed by its own steps), "runs", every method's run whole in turn (bench/runner.py)
+    # how the methods of a repeat take turns: "steps", every run at once, one engine step or Hugging Face generate call
+    # at a time, the run least far along first (each timed by its own pieces); "runs", every method's run whole, in
+    # turn (bench/runner.py)
     interleave: str = INTERLEAVE[0]
     # one untimed run of the timed workload per (method, B) before the timed ones: the engine's first-run costs, and
     # the `exspec` policy enters its first timed run having seen the workload it is timed on (after a short warm-up,

@@ -8,13 +8,13 @@ Every method decodes the same prompts greedily to the same `max_tokens`, and is 
 token is on the host: prefill, scheduling, padding and every decode step are inside it; model loading,
 engine construction (KV pool allocation) and the warm-up run are not. The median over `repeats` timed
 runs is reported (methods interleaved within each repeat, in reverse order every other repeat: `repeat_order`,
-so noise from other jobs spreads evenly). With `interleave="steps"` (the default) the methods through our engine
-run their repeat together, one scheduler step of each in turn, and each run's time is the sum of its own steps'
-wall times (`OfflineRun`): a slow spell of the machine then falls on every method alike, step by step, where a run
-of a method lasts tens of seconds and a spell may cover it whole (at B = 1 `target-ar` and `exspec-fixed-k0`, the
-same computation, measured 0.92x-1.04x of each other with whole runs interleaved: docs/BENCHMARKS.md section 2).
-The Hugging Face methods run whole, after the engine methods (before them in odd repeats). `interleave="runs"`:
-every method's run whole, in turn.
+so noise from other jobs spreads evenly). With `interleave="steps"` (the default) the methods run their repeat
+together, one piece at a time (a scheduler step of an engine method, `OfflineRun`; a `generate` call of a Hugging
+Face one), the run least far along in its tokens first (`Bench._repeat`), and each run's time is the sum of its own
+pieces' wall times: a slow spell of the machine then falls on every method in proportion to its work, where a whole
+run lasts tens of seconds and a spell may cover it whole (at B = 1 `target-ar` and `exspec-fixed-k0`, the same
+computation, measured 0.92x-1.04x of each other with whole runs interleaved: docs/BENCHMARKS.md section 2).
+`interleave="runs"`: every method's run whole, in turn.
 
 Methods (`METHODS`):
 - `target-ar`: the target alone through our engine and scheduler, k = 0, pool W = B.
@@ -80,8 +80,8 @@ from exspec.errors import BenchError
 REFERENCE = ("target-ar", 1)  # (method, batch size) every method's outputs are compared with
 TIMING = (
     "generated tokens / wall time of the whole offline run (first prompt handed over to last token on the "
-    "host: prefill, scheduling, padding and decode included; model loading and warm-up excluded; with the engine "
-    "methods interleaved step by step, the sum of the run's own steps' wall times), median of the repeats"
+    "host: prefill, scheduling, padding and decode included; model loading and warm-up excluded; with the methods "
+    "interleaved step by step, the sum of the run's own steps' or generate calls' wall times), median of the repeats"
 )
 
 
@@ -232,10 +232,11 @@ class Bench:
     def _repeat(self, b: int, methods: list[str], repeat: int, runners: dict, bar):
         """Timed repeat `repeat` of `methods` at batch size b: yields (method, RunResult) as each run ends, the methods
         in `repeat_order`. `interleave="runs"`: each method's run whole, in turn. "steps": every method's run at once,
-        in rounds: one scheduler step of each engine method in turn, and a Hugging Face method's next `generate` call
-        (a prompt of hf-assisted, a static batch of hf-generate) once the engine methods are past its middle (the
-        engine methods' mean share of their tokens generated), so that its calls are spread over the repeat as the
-        steps are. Each run is timed by its own steps or calls."""
+        one piece at a time, each run timed by its own pieces: a scheduler step of an engine method, a `generate` call
+        of a Hugging Face one (a prompt of hf-assisted, a static batch of hf-generate). The next piece is always the
+        one of the run least far along (`_progress`; ties in `repeat_order`), so the runs advance through their
+        tokens together and end together, whatever their speeds: a slow spell of the machine, whenever it comes,
+        falls on every method in proportion to its own work."""
         order = repeat_order(methods, repeat)
         if self.config.interleave == "runs":
             for m in order:
@@ -244,22 +245,14 @@ class Bench:
             return
         self._set(bar, f"{len(order)} methods step by step, B={b}")
         runs = {m: runners[(m, b)].start(self.prompts) for m in order}
-        engine = [runs[m] for m in order if isinstance(runs[m], OfflineRun)]
         tokens = len(self.prompts) * self.config.max_tokens
-
-        def progress() -> float:  # the engine methods' mean share of their tokens generated
-            return statistics.fmean(1.0 if r.done else r.summary.num_generated_tokens / tokens for r in engine)
-
         active = list(order)
         while active:
-            for m in list(active):
-                run = runs[m]
-                if isinstance(run, _Calls) and engine and progress() < (run.calls_done + 0.5) / len(run.calls):
-                    continue  # a call covers its share of the run: it runs once the engine methods are past its middle
-                run.step()
-                if run.done:
-                    active.remove(m)
-                    yield m, runners[(m, b)].finish(run)
+            m = min(active, key=lambda m: _progress(runs[m], tokens))  # the first of the least far along
+            runs[m].step()
+            if runs[m].done:
+                active.remove(m)
+                yield m, runners[(m, b)].finish(runs[m])
 
     @staticmethod
     def _set(bar, text: str) -> None:
@@ -500,6 +493,15 @@ class _EngineMethod:
         while not run.done:
             run.step()
         return self.finish(run)
+
+
+def _progress(run, tokens: int) -> float:
+    """How far along a run of the step interleave is, in [0, 1]: an engine method's share of `tokens` (its prompts
+    times max_tokens) generated; a Hugging Face method's calls done, plus half of its next one (the call runs once the
+    others are past its middle)."""
+    if isinstance(run, OfflineRun):
+        return run.summary.num_generated_tokens / tokens
+    return (run.calls_done + 0.5) / len(run.calls)
 
 
 class _Calls:

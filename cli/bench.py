@@ -86,8 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"timed runs per point; the median is reported (default: {DEFAULT_REPEATS['throughput']}; "
                         f"forward mode: {DEFAULT_REPEATS['forward']})")
     p.add_argument("--interleave", choices=INTERLEAVE, default=None,
-                   help="how each repeat's methods take turns: steps (the engine methods one scheduler step each in "
-                        "turn, each run timed by its own steps) or runs (each method's run whole, in turn) "
+                   help="how each repeat's methods take turns: steps (every run at once, one engine step or Hugging "
+                        "Face generate call at a time, the run least far along first, each timed by its own pieces) "
+                        "or runs (each method's run whole, in turn) "
                         f"(default: {BenchConfig.interleave})")
     p.add_argument("--chat-template", dest="chat_template", action="store_const", const=True, default=None,
                    help="prompts as a user turn through the chat template")

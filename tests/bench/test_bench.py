@@ -371,43 +371,56 @@ def test_repeats_run_the_methods_forward_then_backward(pair, tmp_path, capsys):
     assert "each method's run whole, in turn" in (tmp_path / "results.md").read_text()
 
 
-def test_methods_step_in_turn_and_each_run_is_timed_by_its_own_steps(pair, monkeypatch):
-    """The default interleave: within a repeat the engine methods run one scheduler step each in turn (in
-    `repeat_order`), and a Hugging Face method's `generate` calls are spread among those steps (one once the engine
-    methods are past its middle); a run's seconds are the sum of its own steps' wall times, and the outputs are the
-    target's, as with whole runs."""
+def test_methods_advance_together_and_each_run_is_timed_by_its_own_steps(pair, monkeypatch):
+    """The default interleave: within a repeat every method's run is under way at once, and the next piece (a
+    scheduler step of an engine method, a `generate` call of a Hugging Face one) is always the one of the run least
+    far along in its tokens (ties in `repeat_order`): the runs advance together, whatever tokens a step of each
+    yields. A run's seconds are the sum of its own steps' wall times, and the outputs are the target's, as with whole
+    runs."""
     import exspec.bench.runner as runner
     from exspec.engine import EngineConfig
 
     target, draft = pair
     engine = EngineConfig(model=target, draft_model=draft, max_num_speculative_tokens=2, device="cpu")
     config = runner.BenchConfig(engine=engine, methods=("target-ar", "hf-generate", "exspec-fixed"), fixed_ks=(0, 2),
-                                batch_sizes=(1,), num_prompts=2, max_tokens=5, max_prompt_len=64, repeats=2,
+                                batch_sizes=(1,), num_prompts=2, max_tokens=6, max_prompt_len=64, repeats=2,
                                 warmup=False)
     assert config.interleave == "steps"
-    events, step_seconds = [], {}
+    tokens = config.num_prompts * config.max_tokens
+    events, live, step_seconds, behind = [], [], {}, []
     start, step, hf = runner._EngineMethod.start, runner.OfflineRun.step, runner.Bench._hf_generate
+
+    def progress(run):
+        return run.summary.num_generated_tokens / tokens
 
     def tagged_start(self, prompts):
         run = start(self, prompts)
         run.name = self.name.split(" ")[0]
-        events.append("start")
+        live.append(run)
         return run
 
     def recorded_step(self):
+        others = [progress(r) for r in live if r is not self and not r.done]
+        behind.append(all(progress(self) <= p for p in others))  # the least far along steps
         events.append(self.name)
         t0 = runner.time.perf_counter()
         finished = step(self)
         step_seconds.setdefault(id(self), []).append(runner.time.perf_counter() - t0)
+        if self.done:
+            live.remove(self)
         return finished
 
     def recorded_hf(self, prompts, b):
-        def recorded(call):
+        calls = hf(self, prompts, b)
+
+        def recorded(i, call):
             def run():
+                # a call covers 1 / len(calls) of its run: it runs once every engine run is past its middle
+                behind.append(all(progress(r) >= (i + 0.5) / len(calls) for r in live if not r.done))
                 events.append("hf-generate")
                 return call()
             return run
-        return [recorded(call) for call in hf(self, prompts, b)]
+        return [recorded(i, call) for i, call in enumerate(calls)]
 
     monkeypatch.setattr(runner._EngineMethod, "start", tagged_start)
     monkeypatch.setattr(runner.OfflineRun, "step", recorded_step)
@@ -415,17 +428,11 @@ def test_methods_step_in_turn_and_each_run_is_timed_by_its_own_steps(pair, monke
     bench = runner.Bench(config, progress=False)
     rows = {r.method: r for r in bench.run()}
     engine_methods = ["target-ar", "exspec-fixed-k0", "exspec-fixed-k2"]
-    text = " ".join(events)
-    repeats = [r.split() for r in text.split("start start start") if r.strip()]
-    assert len(repeats) == 2
-    for events_of, order in zip(repeats, (engine_methods, engine_methods[::-1])):
-        steps = [e for e in events_of if e != "hf-generate"]
-        # one step of each engine method in turn while all three run (each takes several: a prefill, then decodes)
-        rounds = min(steps.count(m) for m in order)
-        assert rounds >= 3 and steps[: rounds * len(order)] == order * rounds
-        # hf-generate's two calls (B = 1: a prompt each), spread among the steps: not first, not after them all
-        calls = [i for i, e in enumerate(events_of) if e == "hf-generate"]
-        assert len(calls) == 2 and calls[0] >= len(order) and calls[0] < len(events_of) - 2
+    assert all(behind) and len(behind) == len(events)
+    # the first pieces of each repeat: every engine run at 0 tokens, in repeat_order (reversed in repeat 1)
+    assert events[:3] == engine_methods
+    second = next(i for i in range(3, len(events)) if events[i:i + 3] == engine_methods[::-1])
+    assert "hf-generate" in events[3:second] and events[second:].count("hf-generate") == 2  # 2 calls a repeat
     for m in [*engine_methods, "hf-generate"]:
         row = rows[m]
         assert row.equivalence_rate == 1.0 and len(row.seconds_per_repeat) == 2
