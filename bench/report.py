@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -77,8 +78,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
     sizes = sorted({r["batch_size"] for r in rows})
     ratios = [(a, b) for a, b in RATIOS if any((a, s) in by and (b, s) in by for s in sizes)]
     if ratios:
-        lines += ["", "Throughput ratios (tokens/s over tokens/s, medians; > 1: exspec is faster; in brackets the lowest "
-                  "and highest ratio within one repeat, where both methods ran in turn):", ""]
+        lines += ["", "Throughput ratios (tokens/s over tokens/s; > 1: exspec is faster): the median of the ratios within "
+                  "one repeat, where both methods ran together (one repeat: the ratio of the medians); in brackets the "
+                  "lowest and highest of those ratios:", ""]
         lines.append("| B | " + " | ".join(f"{a} / {b}" for a, b in ratios) + " |")
         lines.append("| ---: |" + " ---: |" * len(ratios))
         for s in sizes:
@@ -95,8 +97,8 @@ def fixed_ks(rows: list[dict]) -> list[str]:
     ks = sorted({int(r["method"][len("exspec-fixed-k"):]) for r in rows if r["method"].startswith("exspec-fixed-k")})
     if not ks:
         return []
-    lines = ["", "The default policy against each fixed k (tokens/s over tokens/s, medians; in brackets the range "
-             "within one repeat):", "",
+    lines = ["", "The default policy against each fixed k (tokens/s over tokens/s, the median of the ratios within one "
+             "repeat; in brackets their range; the best fixed k: the highest median tokens/s):", "",
              "| B | best fixed k | exspec / best fixed | " + " | ".join(f"exspec / k = {k}" for k in ks) + " |",
              "| ---: | ---: | ---: |" + " ---: |" * len(ks)]
     for b in sorted({r["batch_size"] for r in rows}):
@@ -120,11 +122,19 @@ def paired_ratios(a: dict, b: dict) -> list[float]:
     return [(a["generated_tokens"] / x) / (b["generated_tokens"] / y) for x, y in zip(sa, sb)]
 
 
+def paired_ratio(a: dict, b: dict) -> float:
+    """a's tokens/s over b's: the median of the per-repeat ratios (`paired_ratios`: each repeat's methods ran together,
+    so a drift of the machine between repeats cancels in each ratio, where a ratio of medians may take its two medians
+    from different repeats); with fewer than two repeats that pair up, the ratio of the medians."""
+    pairs = paired_ratios(a, b)
+    return statistics.median(pairs) if pairs else a["tokens_per_s"] / b["tokens_per_s"]
+
+
 def _ratio_cell(a: dict | None, b: dict | None) -> str:
-    """'1.05x (0.98-1.10)': the ratio of a's and b's median tokens/s, and the range of their per-repeat ratios."""
+    """'1.05x (0.98-1.10)': `paired_ratio` of a over b, and the range of the per-repeat ratios."""
     if a is None or b is None or not b["tokens_per_s"]:
         return "–"
-    cell = f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x"
+    cell = f"{paired_ratio(a, b):.2f}x"
     pairs = paired_ratios(a, b)
     return f"{cell} ({min(pairs):.2f}-{max(pairs):.2f})" if pairs else cell
 
