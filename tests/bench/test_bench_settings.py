@@ -129,9 +129,10 @@ def test_the_bench_s_own_flags_map_onto_bench_config_by_name(pair_dirs, tmp_path
     assert default == BenchConfig(engine=default.engine)
     _bench(pair_dirs, tmp_path, "--methods", "target-ar,exspec", "--batch-sizes", "2,1", "--num-prompts", "5",
            "--max-prompt-len", "40", "--max-tokens", "7", "--fixed-ks", "0,3", "--pool-factor", "2", "--repeats", "4",
-           "--chat-template", "--no-warmup")
+           "--chat-template", "--no-warmup", "--interleave", "runs")
     assert recorded[1] == replace(default, methods=("target-ar", "exspec"), batch_sizes=(2, 1), num_prompts=5,
                                   max_prompt_len=40, max_tokens=7, fixed_ks=(0, 3), pool_factor=2, repeats=4,
-                                  chat_template=True, warmup=False)
+                                  chat_template=True, warmup=False, interleave="runs")
+    assert default.interleave == "steps"
     assert set(OPTIONS) == {"methods", "batch_sizes", "num_prompts", "max_prompt_len", "max_tokens", "fixed_ks",
-                            "pool_factor", "repeats", "chat_template", "warmup"}
+                            "pool_factor", "repeats", "chat_template", "warmup", "interleave"}
