@@ -310,16 +310,17 @@ class SpecEngine:
 
     def _fused_plan(self, batch: PrefillBatch, states) -> StepPlan | None:
         """The step plan of a fused prefill (each chunk completes its prompt and was fed to the draft, k > 0, some
-        row may draft, the blocks for the drafts free), or None: the prefill samples one token a row."""
+        row has room to draft, the blocks for the drafts free), or None: the prefill samples one token a row."""
         k = min(batch.num_draft_tokens, self.max_k)
         if k <= 0 or any(c.end != st.prompt_len for c, st in zip(batch.chunks, states)):
             return None
         if not any(st.params.use_speculation for st in states):
             return None
         try:
-            return self._make_plan(tuple(c.seq_id for c in batch.chunks), states, k)
+            plan = self._make_plan(tuple(c.seq_id for c in batch.chunks), states, k)
         except CapacityError:  # no blocks for the drafts' positions: prefill without them (nothing changed)
             return None
+        return plan if plan.k > 0 else None  # every row at max_model_len - 1: no room for a draft
 
     def _fused_prefill(self, plan: StepPlan, chunks, tokens, starts, last, draft_logits, t0, t1) -> StepOutput:
         """The prompts' last chunks, already fed to the draft (`draft_logits` [B, 1, V], at each prompt's end):

@@ -82,8 +82,8 @@ class RunSummary:
 
 class OfflineRun:
     """One offline run, stepped by its caller: `step()` runs one scheduler step and adds its wall time to
-    `summary.wall_seconds`, so that a caller may run several (one per engine) in turn, step by step, and time each
-    alone (`exspec bench`'s step interleaving: a slow spell of the machine then falls on every method alike).
+    `summary.wall_seconds`, so that a caller may run several at once (one per engine), a step at a time, and time each
+    by its own steps (`exspec bench`'s step interleaving: a slow spell of the machine then falls on every method).
     `generate_offline` steps one to the end. Prompts are handed over at construction (untimed: a few microseconds)."""
 
     def __init__(

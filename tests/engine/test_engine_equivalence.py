@@ -254,6 +254,17 @@ def test_fused_prefill_only_where_every_chunk_completes_its_prompt_and_fed_the_d
     assert_matches_reference(models, arch, [a, b, c, c, d, b], [sa, sb, sc, se, sd, sf], [12, 12, 12, 12, 3, 12])
 
 
+def test_fused_prefill_of_a_prompt_with_no_room_for_a_draft_samples_one_token(models):
+    """A prompt filling max_model_len but one position leaves no row room for a draft: the fused prefill asked for k
+    drafts falls back to sampling one token (it crashed on an empty draft loop, a 500 the server fuzz test found)."""
+    engine = models.engine("llama", "same", max_model_len=64)
+    (p,) = random_prompts([63], seed=6)
+    s = admit(engine, p, SamplingParams(max_tokens=4))
+    out = prefill(engine, [(s, 0, 63)], k=4)
+    assert out.num_draft_tokens == 0 and [len(o.token_ids) for o in out.outputs] == [1]
+    assert_matches_reference(models, "llama", [p], [s], [1])
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_sequences_admitted_and_finished_at_different_times(models, arch):
     """Continuous batching over 4 slots: finished sequences free their slots mid-run and new prompts are
