@@ -454,10 +454,26 @@ class Bench:
         return self._top2_cache[key]
 
 
-class _EngineMethod:
-    """A method through our engine at one batch size: `start(prompts)` hands them over and returns the run, which its
-    caller steps (`OfflineRun.step`) to the end, then `finish(run)`; calling it does all three. Given a tokenizer, the
-    policy runs its calibration steps before the first run, untimed, as `exspec serve` does before serving."""
+class _Method:
+    """A method of one point: `start(prompts)` hands them over and returns the run, which its caller steps
+    (`run.step()`, `run.done`) to the end, then `finish(run)` gives its `RunResult`; calling it does all three."""
+
+    def start(self, prompts: list[list[int]]):
+        raise NotImplementedError
+
+    def finish(self, run) -> RunResult:
+        raise NotImplementedError
+
+    def __call__(self, prompts: list[list[int]]) -> RunResult:
+        run = self.start(prompts)
+        while not run.done:
+            run.step()
+        return self.finish(run)
+
+
+class _EngineMethod(_Method):
+    """A method through our engine at one batch size, its runs `OfflineRun`s. Given a tokenizer, the policy runs its
+    calibration steps before the first run, untimed, as `exspec serve` does before serving."""
 
     def __init__(self, name: str, engine: SpecEngine, sched: SchedulerConfig, policy: SpeculationPolicy,
                  max_tokens: int, calibrate_with=None, max_model_len: int = 0) -> None:
@@ -487,12 +503,6 @@ class _EngineMethod:
             decode_tokens_per_s=(summary.num_decode_tokens / summary.decode_seconds
                                  if summary.decode_seconds > 0 else None),
         )
-
-    def __call__(self, prompts: list[list[int]]) -> RunResult:
-        run = self.start(prompts)
-        while not run.done:
-            run.step()
-        return self.finish(run)
 
 
 def _progress(run, tokens: int) -> float:
@@ -528,9 +538,9 @@ class _Calls:
         self.calls_done += 1
 
 
-class _HFMethod:
-    """A Hugging Face method: `calls(prompts)` gives its `generate` calls; `start`, `finish` and calling it as
-    `_EngineMethod`. Acceptance length: generated tokens / target forwards counted by the calls (1 where none are)."""
+class _HFMethod(_Method):
+    """A Hugging Face method, its runs `_Calls`: `calls(prompts)` gives its `generate` calls. Acceptance length:
+    generated tokens / target forwards counted by the calls (1 where none are)."""
 
     def __init__(self, calls: Callable[[list[list[int]]], list], sync: Callable[[], None] = lambda: None) -> None:
         self.calls, self.sync = calls, sync
@@ -542,12 +552,6 @@ class _HFMethod:
         tokens = sum(len(o) for o in run.outputs)
         acceptance = tokens / run.forwards if run.forwards else 1.0
         return RunResult(run.outputs, run.seconds, acceptance, None)
-
-    def __call__(self, prompts: list[list[int]]) -> RunResult:
-        run = self.start(prompts)
-        while not run.done:
-            run.step()
-        return self.finish(run)
 
 
 def _copy(gen_config):
