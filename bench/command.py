@@ -87,6 +87,14 @@ def _engine_meta(engine) -> str:
             f"kv_cache_memory {mem}, max_model_len {engine.max_model_len}")
 
 
+def _row_padding(pair) -> str:
+    """What `tune_row_padding` chose for each model of the pair (engine/packed_linear.py)."""
+    from exspec.engine.packed_linear import row_padding
+
+    pads = {"target": row_padding(pair.target), "draft": row_padding(pair.draft)}
+    return ", ".join(f"{role} {pad or 'none'}" for role, pad in pads.items() if role == "target" or pair.draft)
+
+
 def _loadavg() -> str:
     """The 1, 5 and 15 minute load averages (`cat /proc/loadavg`), or "?" where there is none."""
     try:
@@ -124,6 +132,7 @@ def _throughput(args, template: EngineConfig, resolve_models, resolve_engine: Re
         "max_tokens": config.max_tokens,
         "k": config.num_speculative_tokens,
         "engine": _engine_meta(config.engine),
+        "gemm row padding (rows: padded rows, tuned at load)": _row_padding(bench.pair),
         "exspec policy": f"SchedulerConfig() default speculation={SchedulerConfig().speculation!r}, k up to "
                          f"{config.num_speculative_tokens}"
                          + ("; calibrated before its warm-up as `exspec serve` calibrates" if config.calibrate

@@ -40,8 +40,9 @@ FLAGS = {
                                "loaded (e.g. 0.5) or a size (e.g. 4GiB); it sets how many tokens all live sequences "
                                f"hold together (default {KV_MEMORY_DEFAULT['cuda']} on CUDA, "
                                f"{KV_MEMORY_DEFAULT['cpu']} of available RAM on CPU)"),
-    "gemm": ("MODE", "auto | packed | default: oneDNN-prepacked linears for multi-row CPU forwards (default auto: "
-                     "packed for float32 on CPU)"),
+    "gemm": ("MODE", "auto | packed | unpadded | default: oneDNN-prepacked linears for CPU forwards; packed also pads "
+                     "few-row forwards to the row count measured fastest at load (default auto: packed for float32 "
+                     "on CPU)"),
     "compile": (None, "--compile: the draft's forwards and the verify run compiled at static shapes "
                       "(torch.compile fullgraph; CUDA graphs on CUDA: 2x to 7.6x faster decode steps on an H100, "
                       "30-70 s to compile each batch bucket and width at first use); default --no-compile"),

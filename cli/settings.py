@@ -57,7 +57,7 @@ class Settings(BaseSettings):
         default=SchedulerConfig.num_speculative_tokens, ge=0, le=MAX_SPECULATIVE_TOKENS)
     attention_backend: str = "auto"  # auto or one of attention_backends(): how attention reads the KV blocks
     kv_cache_memory: str | None = None  # KV pool: a fraction of the memory free after the weights, or bytes ("4GiB")
-    gemm: str = "auto"  # auto | packed | default: oneDNN-prepacked linears for multi-row CPU forwards
+    gemm: str = "auto"  # auto | packed | unpadded | default: oneDNN-prepacked linears for CPU forwards
     # draft and verify forwards compiled at static shapes (engine/static_forward.py); off everywhere until measured
     compile: bool = False
     compile_mode: str = "inductor"  # how --compile does it: one of engine/config.py COMPILE_MODES

@@ -36,7 +36,7 @@ KV_MEMORY_DEFAULT = {"cuda": 0.9, "cpu": 0.25}
 # The attention backends "auto" tries per device type, in order: the first that can run here ("reference" where none
 # can). On the CPU `native` needs a C compiler to build its kernel on first use; `sdpa` is pure PyTorch.
 ATTENTION_DEFAULT = {"cuda": ("triton",), "cpu": ("native", "sdpa")}
-GEMM_MODES = ("auto", "packed", "default")  # EngineConfig.gemm (engine/packed_linear.py)
+GEMM_MODES = ("auto", "packed", "unpadded", "default")  # EngineConfig.gemm (engine/packed_linear.py)
 # EngineConfig.compile_mode, how `compile` makes the static forwards fast (engine/static_forward.py): "inductor"
 # compiles them (torch.compile: the CPU's capturability proof; CUDA graphs through mode "reduce-overhead" on CUDA, run
 # on an H100); "cudagraph" records the eager forward into a torch.cuda.CUDAGraph (CUDA only, no compiler, as vLLM
@@ -81,7 +81,7 @@ class EngineConfig:
     # KV pool size: a fraction (0, 1] of the memory free after the weights, or a byte count (int); None: the
     # device's default (KV_MEMORY_DEFAULT). Never more blocks than max_num_seqs sequences of max_model_len.
     kv_cache_memory: float | int | None = None
-    gemm: str = "auto"  # "auto" | "packed" | "default": oneDNN-prepacked linears for multi-row CPU forwards
+    gemm: str = "auto"  # "auto" | "packed" | "unpadded" | "default": oneDNN-prepacked linears for CPU forwards
     # The draft's forwards and the verify through compiled static-shape forwards (engine/static_forward.py). Off by
     # default on every device: on the CPU it is a capturability proof, not a speed-up; on CUDA it is a 2x to 7.6x
     # faster decode step (one H100, docs/BENCHMARKS.md section 0). compile_mode "inductor" compiles each (bucket, Q)

@@ -104,7 +104,7 @@ def test_max_model_len_is_the_pairs_position_limit_and_checked_against_it(pair_d
     (["--num-speculative-tokens", "0"], "--num-speculative-tokens must be >= 1 for methods"),
     (["--kv-cache-memory", "2.5"], "--kv-cache-memory / EXSPEC_KV_CACHE_MEMORY"),
     (["--fixed-ks", "2,33"], "--fixed-ks must be in [0, 32], got 33"),
-    (["--gemm", "fast"], "--gemm / EXSPEC_GEMM: gemm must be one of auto, packed, default"),
+    (["--gemm", "fast"], "--gemm / EXSPEC_GEMM: gemm must be one of auto, packed, unpadded, default"),
 ])
 def test_bad_engine_settings_are_refused_before_anything_runs(pair_dirs, tmp_path, recorded, capsys, flags, message):
     target, draft = pair_dirs

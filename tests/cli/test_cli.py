@@ -80,7 +80,7 @@ def test_compile_flag_and_variable(monkeypatch):
         (["--max-batch-size", "2", "--pool-size", "17"], {}, "pool_size must be <= max_batch_size x 8 = 16"),
         (["--dtype", "int3"], {}, "--dtype / EXSPEC_DTYPE: dtype must be one of"),
         (["--speculation", "psychic"], {}, "--speculation / EXSPEC_SPECULATION: speculation must be one of"),
-        ([], {"EXSPEC_GEMM": "fast"}, "--gemm / EXSPEC_GEMM: gemm must be one of auto, packed, default"),
+        ([], {"EXSPEC_GEMM": "fast"}, "--gemm / EXSPEC_GEMM: gemm must be one of auto, packed, unpadded, default"),
         (["--device", "tpu"], {}, "--device / EXSPEC_DEVICE: device must be auto, cpu, cuda or cuda:N"),
         (["--log-level", "loud"], {}, "--log-level / EXSPEC_LOG_LEVEL"),
         (["--demo", "huge"], {}, "--demo / EXSPEC_DEMO: demo must be one of smollm2, tiny"),

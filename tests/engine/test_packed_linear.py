@@ -72,3 +72,92 @@ def test_one_row_forward_takes_the_prepacked_weight_only_for_large_weights(monke
     with torch.inference_mode():
         packed(torch.randn(3, 64))  # several rows: always the prepacked weight
     assert packed._packed.tensor is not None
+
+
+def test_gemm_mode_unpadded_packs_without_tuning(monkeypatch):
+    import exspec.engine.packed_linear as pl
+
+    monkeypatch.setattr(pl, "ROW_PAD_MIN_BYTES", 0)  # every model "large"
+    calls = []
+    monkeypatch.setattr(pl, "tune_row_padding", lambda model: calls.append(model) or {})
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    assert gemm_mode(model, "unpadded") == "unpadded"
+    assert prepack_linears(model, "unpadded") == 1 and calls == []
+    other = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    assert prepack_linears(other, "packed") == 1 and calls == [other]
+
+
+# Seconds of a pass over a model's large linears, cold from memory, by rows (the 350m synthetic target on the
+# AVX-512 EPYC, one thread: docs/BENCHMARKS.md section 3, "Row padding"), and what each row count is padded to.
+_MEASURED = {1: 68.5, 2: 80.9, 3: 57.8, 4: 51.0, 5: 52.0, 6: 54.1, 7: 70.0, 8: 75.1}
+
+
+@pytest.mark.parametrize("seconds,expected", [
+    (_MEASURED, {1: 4, 2: 4, 3: 4}),  # 3 -> 4: 12% faster; 5 -> 6 or 7 -> 8 are slower
+    ({1: 10.0, 2: 5.0, 3: 5.1, 4: 4.99}, {1: 2}),  # ties within 3% of the fastest: the fewest rows; 2 -> 4 gains 0.2%
+    ({1: 10.0, 2: 9.5, 3: 9.2}, {}),  # under 10% faster: not worth the padding rows
+    ({1: 1.0, 2: 2.0, 3: 3.0}, {}),  # monotone (weights in the caches): nothing padded
+])
+def test_choose_row_padding(seconds, expected):
+    from exspec.engine.packed_linear import choose_row_padding
+
+    assert choose_row_padding(seconds) == expected
+
+
+def test_tune_row_padding_times_every_row_count_and_pads_every_linear(monkeypatch):
+    """A counting clock: each linear's forward of m rows costs _MEASURED[m] units, so the tuning's choice is exact."""
+    import exspec.engine.packed_linear as pl
+
+    now = [0.0]
+    calls: list[int] = []
+    forward = PackedLinear.forward
+
+    def timed(self, x):
+        rows = x.numel() // self.in_features
+        calls.append(rows)
+        now[0] += _MEASURED[rows] if not self.row_pad else 0.0
+        return forward(self, x)
+
+    monkeypatch.setattr(PackedLinear, "forward", timed)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 16))
+    reference = copy.deepcopy(model)
+    prepack_linears(model, "unpadded")
+    assert pl.tune_row_padding(model, min_bytes=10**12) == {}  # under min_bytes: not tuned
+    pad = pl.tune_row_padding(model, min_bytes=0, repeats=3, clock=lambda: now[0])
+    assert pad == {1: 4, 2: 4, 3: 4} and pl.row_padding(model) == pad
+    assert all(m.row_pad == pad for m in model if isinstance(m, PackedLinear))
+    # 1 + 3 rounds over rows 1..8 (the two linears each), alternating direction
+    assert sorted(set(calls)) == list(range(1, 9)) and len(calls) == 2 * 8 * 4
+    for shape in [(1, 16), (2, 16), (3, 16), (1, 3, 16), (5, 16)]:
+        x = torch.randn(shape)
+        with torch.inference_mode():
+            out = model(x)
+        assert out.shape == (*shape[:-1], 16)
+        torch.testing.assert_close(out, reference(x).detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_padded_forward_matches_linear_and_keeps_its_rows(rows, bias):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48, bias=bias)
+    packed = PackedLinear(lin)
+    packed.row_pad = {1: 4, 2: 4, 3: 8}
+    x = torch.randn(rows, 64)
+    with torch.inference_mode():
+        out = packed(x)
+    assert out.shape == (rows, 48)
+    torch.testing.assert_close(out, lin(x).detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_prepack_tunes_a_large_model_on_the_real_clock(monkeypatch):
+    """Whatever the machine measures, the padding is well formed: each row count to more rows, within the tuned range."""
+    import exspec.engine.packed_linear as pl
+
+    monkeypatch.setattr(pl, "ROW_PAD_MIN_BYTES", 0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    prepack_linears(model, "auto")
+    pad = pl.row_padding(model)
+    assert all(1 <= m < n <= pl.ROW_PAD_MAX_ROWS for m, n in pad.items())
+    assert pl.row_padding(torch.nn.Sequential(torch.nn.Linear(4, 4))) == {}  # not packed
