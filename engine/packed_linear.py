@@ -12,12 +12,12 @@ docs/BENCHMARKS.md section 3, "One-row forwards"), sgemm below it. The price is 
 Row padding. A model whose weights do not fit in the caches streams them from memory on every forward, and then a
 forward over one or two rows can cost more than one over four: oneDNN picks its kernel by the row count, and its
 few-row kernels do not all stream weights equally well. On the 350m synthetic target (1.4 GB, AVX-512 EPYC, one
-thread), a pass over its 120 large linears cold from memory took 68 / 81 / 58 / 51 / 54 / 75 ms for 1 / 2 / 3 / 4 / 6 /
-8 rows, and 53 ms for one or two rows padded with zero rows to four (`scripts/bench_row_padding.py`). So at load
-`tune_row_padding` times a pass over the model's linears for each row count up to `ROW_PAD_MAX_ROWS` (interleaved,
-the median of `ROW_PAD_REPEATS`) and pads a forward of m rows to the m' >= m that was at least `ROW_PAD_GAIN` faster
-(the fastest such); a model under `ROW_PAD_MIN_BYTES` of linear weights (cache-resident: every test model) is not
-tuned. Padding rows are zeros and are cut from the output: a row's numbers depend on the padded row count only
+thread), a pass over its 121 large linears cold from memory took 77.7 / 93.1 / 64.7 / 58.8 / 58.4 / 80.1 ms for 1 / 2 /
+3 / 4 / 6 / 8 rows, and 58.2 / 60.2 ms for one / two rows padded with zero rows to four (`scripts/bench_row_padding.py`,
+docs/BENCHMARKS.md section 3). So at load `tune_row_padding` times a pass over the model's linears for each row count
+up to `ROW_PAD_MAX_ROWS` (interleaved, the median of `ROW_PAD_REPEATS`) and pads a forward of m rows to the fewest
+m' > m within `ROW_PAD_TIE` of the fastest, where that was at least `ROW_PAD_GAIN` faster than m; a model under
+`ROW_PAD_MIN_BYTES` of linear weights (cache-resident: every test model) is not tuned. Padding rows are zeros and are cut from the output: a row's numbers depend on the padded row count only
 through float rounding (the kernel's summation order), as they already do on the row count.
 
 Selected by `prepack_linears` at load (`EngineConfig.gemm`, flag `--gemm`: "auto" packs float32 models on the

@@ -87,13 +87,13 @@ def test_gemm_mode_unpadded_packs_without_tuning(monkeypatch):
     assert prepack_linears(other, "packed") == 1 and calls == [other]
 
 
-# Seconds of a pass over a model's large linears, cold from memory, by rows (the 350m synthetic target on the
-# AVX-512 EPYC, one thread: docs/BENCHMARKS.md section 3, "Row padding"), and what each row count is padded to.
-_MEASURED = {1: 68.5, 2: 80.9, 3: 57.8, 4: 51.0, 5: 52.0, 6: 54.1, 7: 70.0, 8: 75.1}
+# Milliseconds of a pass over a model's large linears, cold from memory, by rows (the 350m synthetic target on the
+# AVX-512 EPYC, one thread: docs/BENCHMARKS.md section 3, "Session 30: row padding").
+_MEASURED = {1: 77.7, 2: 93.1, 3: 64.7, 4: 58.8, 5: 58.3, 6: 58.4, 7: 73.5, 8: 80.1}
 
 
 @pytest.mark.parametrize("seconds,expected", [
-    (_MEASURED, {1: 4, 2: 4, 3: 4}),  # 3 -> 4: 12% faster; 5 -> 6 or 7 -> 8 are slower
+    (_MEASURED, {1: 4, 2: 4}),  # 4 is within 3% of the fastest (5); 3 -> 4 gains 9%, under the 10% bar
     ({1: 10.0, 2: 5.0, 3: 5.1, 4: 4.99}, {1: 2}),  # ties within 3% of the fastest: the fewest rows; 2 -> 4 gains 0.2%
     ({1: 10.0, 2: 9.5, 3: 9.2}, {}),  # under 10% faster: not worth the padding rows
     ({1: 1.0, 2: 2.0, 3: 3.0}, {}),  # monotone (weights in the caches): nothing padded
@@ -125,7 +125,7 @@ def test_tune_row_padding_times_every_row_count_and_pads_every_linear(monkeypatc
     prepack_linears(model, "unpadded")
     assert pl.tune_row_padding(model, min_bytes=10**12) == {}  # under min_bytes: not tuned
     pad = pl.tune_row_padding(model, min_bytes=0, repeats=3, clock=lambda: now[0])
-    assert pad == {1: 4, 2: 4, 3: 4} and pl.row_padding(model) == pad
+    assert pad == {1: 4, 2: 4} and pl.row_padding(model) == pad
     assert all(m.row_pad == pad for m in model if isinstance(m, PackedLinear))
     # 1 + 3 rounds over rows 1..8 (the two linears each), alternating direction
     assert sorted(set(calls)) == list(range(1, 9)) and len(calls) == 2 * 8 * 4
