@@ -91,8 +91,8 @@ def _row_padding(pair) -> str:
     """What `tune_row_padding` chose for each model of the pair (engine/packed_linear.py)."""
     from exspec.engine.packed_linear import row_padding
 
-    pads = {"target": row_padding(pair.target), "draft": row_padding(pair.draft)}
-    return ", ".join(f"{role} {pad or 'none'}" for role, pad in pads.items() if role == "target" or pair.draft)
+    models = {"target": pair.target, **({"draft": pair.draft} if pair.draft is not None else {})}
+    return ", ".join(f"{role} {row_padding(model) or 'none'}" for role, model in models.items())
 
 
 def _loadavg() -> str:
