@@ -32,7 +32,10 @@ class SchedulerConfig:
     max_waiting: int = 256  # requests queued before admission; beyond it submit() raises QueueFullError
     num_speculative_tokens: int = 4  # k (fixed policy) or the largest k (adaptive policy)
     speculation: str = "auto"  # a speculation policy in scheduler/policies/ (policies.names()): auto | fixed | adaptive
-    min_group_size: int = 0  # a same-length group smaller than this runs as a mixed batch; 0: B // 2 (at least 2)
+    # a same-length group smaller than this runs as a mixed batch; 0: B (a group runs alone only when it fills the batch:
+    # a mixed step costs about what a grouped one of as many rows does, while a step of half the rows costs far more
+    # than half; B // 2 made the 350m pair at B = 4 decode 2-row groups beside 6 waiting rows, target-ar 17% slower)
+    min_group_size: int = 0
     max_wait_steps: int = 8  # aging: a running sequence waits at most this many decode steps
     max_prefill_tokens: int = 512  # rows x width of a prefill step at most, padding included (chunked beyond it)
     # While sequences decode, a prefill step is also cut to about this many seconds at the prefill speed measured
@@ -65,7 +68,7 @@ class SchedulerConfig:
 
     @property
     def group_threshold(self) -> int:
-        return self.min_group_size or max(2, self.max_batch_size // 2)
+        return self.min_group_size or self.max_batch_size
 
 
 @dataclass(frozen=True)

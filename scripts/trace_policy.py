@@ -22,7 +22,7 @@ from exspec.engine import EngineConfig, SamplingParams, SpecEngine
 from exspec.engine.loader import load_model_pair
 from exspec.scheduler import SchedulerConfig, generate_offline, policies
 from exspec.scheduler.core import SchedulerCore
-from exspec.scheduler.policies import bucket
+from exspec.scheduler.policies.auto import size_bucket
 
 
 def main(argv=None) -> int:
@@ -51,10 +51,10 @@ def main(argv=None) -> int:
     observe, rows = policy.observe, []
 
     def traced(batch_size, k, num_tokens, seconds, catchup_s=0.0, accepted=(), drafting_rows=None):
-        st = policy._bucket(bucket(batch_size))
+        st = policy._bucket(size_bucket(batch_size))
         flag = ("R" if st.rechecking else "E") if st.exploring else ""
         observe(batch_size, k, num_tokens, seconds, catchup_s, accepted, drafting_rows)
-        if bucket(batch_size) == bucket(b) and (k > 0 or flag):
+        if size_bucket(batch_size) == size_bucket(b) and (k > 0 or flag):
             g = policy.plan(batch_size)[2]
             rows.append((st.steps, k, flag, round(1e3 * seconds, 2), round(1e3 * catchup_s, 2), len(st.paired),
                          round(policy._pair_scale(st.paired), 3), {x: round(g[x] / g[0], 3) for x in (1, 2) if x in g}))

@@ -14,7 +14,7 @@ verified token is accepted more often than the fourth. Counts decay by `accept_d
 and by `idle_decay` per step without drafts, so the estimate follows a change and grows uncertain while
 it goes unmeasured.
 
-Step cost, per batch-size bucket (powers of two), per k: the median of the last `window` steady step times
+Step cost, per batch-size bucket (`size_bucket`: each batch size up to EXACT_SIZES, powers of two beyond), per k: the median of the last `window` steady step times
 (the step's wall time less the one-off draft catch-up, which is paid once per token whatever k follows;
 k = 0 steps measure the target alone; the first `settle_steps` k = 0 steps after drafting steps are not recorded:
 right after drafting a k = 0 step costs more than plain decoding does in a row, on the toy pair twice, settling
@@ -90,6 +90,15 @@ from exspec.scheduler.policies import SpeculationPolicy, bucket, register
 
 CALIBRATION_DRIFT = 0.03  # added to a calibrated relative cost's uncertainty: live contexts are not the calibration's
 CALIBRATION_KS = (0, 1, 2, 3, 4)  # the k measured before serving (`calibration`); the cost line covers the others
+# batch sizes up to this are buckets of their own, larger ones share their power of two: a step's cost is not smooth in
+# its rows (B x (k + 1) in the verify). On the 350m pair at B = 3 a k = 2 step cost 1.32x a k = 1 step, at B = 4 1.13x
+# (docs/BENCHMARKS.md section 2, session 31): one bucket for 3 and 4 rows ran k = 2 at both
+EXACT_SIZES = 8
+
+
+def size_bucket(batch_size: int) -> int:
+    """`auto`'s batch-size bucket: the batch size itself up to EXACT_SIZES, else the next power of two."""
+    return batch_size if batch_size <= EXACT_SIZES else bucket(batch_size)
 
 
 def candidates_for(k_max: int) -> list[int]:
@@ -342,7 +351,7 @@ class AutoPolicy(SpeculationPolicy):
     def plan(self, batch_size: int) -> tuple[int, int | None, dict[int, float]]:
         """(k*, the k worth exploring or None, goodput per row for each k) of a batch size, from the models
         as they stand; k* is 0 until k = 0 is measured in its bucket."""
-        return self._plan(self._bucket(bucket(batch_size)))[:3]
+        return self._plan(self._bucket(size_bucket(batch_size)))[:3]
 
     def _plan(self, st: _Bucket) -> tuple[int, int | None, dict[int, float], dict[int, tuple[float, float]]]:
         costs = self._costs(st)
@@ -385,7 +394,7 @@ class AutoPolicy(SpeculationPolicy):
     def choose(self, batch_size: int) -> int:
         if self.k_max == 0:
             return 0
-        b = bucket(batch_size)
+        b = size_bucket(batch_size)
         st = self._bucket(b)
         st.steps += 1
         st.streak = st.streak + 1 if self._last is st else 1
@@ -493,7 +502,7 @@ class AutoPolicy(SpeculationPolicy):
 
     def prefill_k(self, batch_size: int) -> int:
         """The k its bucket runs when not exploring (no step is counted, nothing is explored in a prefill)."""
-        st = self._buckets.get(bucket(batch_size))
+        st = self._buckets.get(size_bucket(batch_size))
         return st.best if st is not None and self.k_max > 0 else 0
 
     def calibration(self, max_batch_size: int) -> list[tuple[int, int]]:
@@ -513,7 +522,8 @@ class AutoPolicy(SpeculationPolicy):
         evidence, so live traffic is not where a draft that loses is found out."""
         if self.k_max == 0:
             return []
-        sizes = sorted({min(1 << i, max_batch_size) for i in range(max(1, max_batch_size).bit_length() + 1)})
+        powers = (1 << i for i in range(max(1, max_batch_size).bit_length() + 1))
+        sizes = sorted({min(b, max_batch_size) for b in (*range(1, EXACT_SIZES + 1), *powers)})
         ks = [k for k in self.candidates if k in CALIBRATION_KS or k == min(self.k_max, max(CALIBRATION_KS))][1:]
         n, plain = self.min_samples, [0] * (self.min_samples + self.settle_steps)
         rounds = [k for order in (ks, ks[::-1]) for k in [*(k for _ in range(n) for k in order), *plain]]
@@ -572,7 +582,7 @@ class AutoPolicy(SpeculationPolicy):
         (all of them when None)."""
         if seconds <= 0 or self.k_max == 0:
             return
-        st = self._bucket(bucket(batch_size))
+        st = self._bucket(size_bucket(batch_size))
         st.total_s += seconds
         if st.exploring:
             st.explore_s += seconds

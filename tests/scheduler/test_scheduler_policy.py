@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from exspec.scheduler.policies import bucket, create
+from exspec.scheduler.policies import create
+from exspec.scheduler.policies.auto import EXACT_SIZES, size_bucket
 from exspec.scheduler.policy import Candidate, age_threshold_for, choose_batch
 
 
@@ -225,11 +226,11 @@ def test_auto_exploration_is_bounded_and_rare_once_converged():
         policy = create("auto", 8)
         world = _World(acc, jump, slope, seed=7)
         chosen, _ = _run_auto(policy, world, batch, 2000)
-        s = policy.summary()[bucket(batch)]
+        s = policy.summary()[size_bucket(batch)]
         assert s["explore_fraction"] <= 0.03 + 12 / 2000 * 1.5, name  # the 3% budget + 12 free steps
         late = s["explore_steps"]
         _run_auto(policy, world, batch, 2000)
-        assert policy.summary()[bucket(batch)]["explore_steps"] - late <= 0.04 * 2000, name
+        assert policy.summary()[size_bucket(batch)]["explore_steps"] - late <= 0.04 * 2000, name
         assert _expected_goodput(world, batch, chosen[1000:]) >= 0.97 * world.goodput(batch, want), name
 
 
@@ -641,7 +642,7 @@ def test_auto_calibrated_does_not_explore_a_losing_draft_beyond_its_rechecks():
             world = _World(acc, jump, slope, seed=seed)
             policy = _calibrated(create("auto", 8), world, 8)
             chosen, _ = _run_auto(policy, world, batch, 2000)
-            summary = policy.summary()[bucket(batch)]
+            summary = policy.summary()[size_bucket(batch)]
             explored += summary["explore_steps"] - summary["recheck_steps"]
             assert summary["recheck_steps"] <= 4 * policy.min_samples, (name, seed, summary)
             assert chosen.count(0) == 2000 - summary["explore_steps"], (name, seed, summary)
@@ -667,7 +668,7 @@ def test_auto_calibrated_serves_the_best_k_at_once_without_exploring_a_losing_dr
             chosen, _ = _run_auto(policy, world, batch, 150)
             assert _expected_goodput(world, batch, chosen) >= 0.95 * world.goodput(batch, best), (name, seed, batch)
             if all(world.goodput(batch, k) < 0.87 * world.goodput(batch, 0) for k in policy.candidates[1:]):
-                rechecks = policy.summary()[bucket(batch)]["recheck_steps"]
+                rechecks = policy.summary()[size_bucket(batch)]["recheck_steps"]
                 assert rechecks <= policy.min_samples and chosen.count(0) == 150 - rechecks, (name, seed, batch)
             else:
                 assert name != "weak"  # the premise: the weak draft loses clearly at every batch size
@@ -675,15 +676,19 @@ def test_auto_calibrated_serves_the_best_k_at_once_without_exploring_a_losing_dr
 
 def test_auto_calibration_plan_covers_each_bucket_and_k_up_to_the_limits():
     plan = create("auto", 8).calibration(8)
-    assert sorted(set(plan)) == [(b, k) for b in (1, 2, 4, 8) for k in (0, 1, 2, 3, 4)]
+    assert EXACT_SIZES == 8  # every batch size up to 8 is a bucket of its own
+    assert sorted(set(plan)) == [(b, k) for b in range(1, 9) for k in (0, 1, 2, 3, 4)]
     policy = create("auto", 8)
     # two rounds of the ks > 0 interleaved step by step, the second in the reverse order, each ending with a block of
     # k = 0 after its settling steps (k = 0 right after drafting costs more)
     assert all(plan.count(step) == 6 + (2 * policy.settle_steps if step[1] == 0 else 0) for step in set(plan))
     blocks = [step for i, step in enumerate(plan) if i == 0 or plan[i - 1] != step]
     up, down = (1, 2, 3, 4) * policy.min_samples, (4, 3, 2, 1) * policy.min_samples
-    assert blocks == [(b, k) for b in (1, 2, 4, 8) for k in (*up, 0, *down, 0)]
-    assert sorted(set(create("auto", 3).calibration(6))) == [(b, k) for b in (1, 2, 4, 6) for k in (0, 1, 2, 3)]
+    assert blocks == [(b, k) for b in range(1, 9) for k in (*up, 0, *down, 0)]
+    assert sorted(set(create("auto", 3).calibration(6))) == [(b, k) for b in range(1, 7) for k in (0, 1, 2, 3)]
+    # beyond EXACT_SIZES the powers of two, and the largest batch size for the bucket it falls in
+    assert sorted({b for b, _ in create("auto", 2).calibration(20)}) == [*range(1, 9), 16, 20]
+    assert [size_bucket(b) for b in (3, 5, 7, 8, 9, 16, 17)] == [3, 5, 7, 8, 16, 16, 32]
     assert create("auto", 0).calibration(8) == [] and create("fixed", 4).calibration(8) == []
 
 
