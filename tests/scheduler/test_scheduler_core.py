@@ -489,3 +489,23 @@ async def test_deltas_queued_before_a_read_leave_as_one():
 async def _until_finished(stream, reads):
     for _ in range(reads):
         yield await stream.__anext__()
+
+
+@pytest.mark.parametrize("min_group_size, rows", [(0, 4), (2, 2)])
+def test_a_same_length_group_runs_alone_only_when_it_fills_the_batch_by_default(min_group_size, rows):
+    """A mixed step costs about what a grouped one of as many rows does (its path only changes positions and the mask),
+    while a step of half the rows costs far more than half: by default (min_group_size 0: B) a group of 2 of 8 waiting
+    rows does not run alone at B = 4, the four longest-waiting run mixed. min_group_size 2 keeps the old rule."""
+    eng = FakeEngine(num_slots=16)
+    config = SchedulerConfig(max_batch_size=4, pool_size=8, num_speculative_tokens=0, speculation="fixed",
+                             min_group_size=min_group_size)
+    assert config.group_threshold == (min_group_size or 4)
+    core = SchedulerCore(eng, config)
+    for i, n in enumerate((4, 4, 5, 6, 7, 8, 9, 10)):  # one same-length pair, the others each alone
+        core.add(req(i, prompt_len=n, max_tokens=3))
+    while not eng.batches:
+        core.step()
+    assert len(eng.prefills) == 1  # every prompt in the pool before the first decode step
+    first = eng.batches[0]
+    assert len(first.seq_ids) == rows
+    run_all(core)

@@ -833,3 +833,28 @@ def test_auto_recheck_costs_stay_within_their_budget_when_a_draft_catches_whole_
     assert spent["measured"] <= 0.01 + 21 * world.cost(batch, 0) / total_s, spent  # one burst over at most
     assert spent["foretold"] <= 0.01 and first["foretold"] > 10 * first["measured"], (spent, first)
     assert spent["unbounded"] >= 2 * spent["measured"], spent
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_auto_keeps_each_small_batch_size_apart(seed):
+    """A step's cost is not smooth in its rows (the verify's B x (k + 1) GEMM rows: on the 350m pair at B = 3 a k = 2
+    step cost 1.32x a k = 1 step, at B = 4 1.13x). Each batch size up to EXACT_SIZES is a bucket of its own, so a pool
+    that runs 3 rows and 4 rows in turn (a row finished, a new one not yet prefilled) runs each one's best k: here k = 1
+    at B = 3 and k = 3 at B = 4, where one bucket for both would run one k at both (k = 1 is worth 0.80 of k = 3 at
+    B = 4, k = 3 0.83 of k = 1 at B = 3)."""
+    acc = [0.9, 0.6, 0.5, 0.4, 0.3, 0.3, 0.3, 0.3]
+    world = _World(acc, 0.05, lambda b: 0.6 if b == 3 else 0.08, seed=seed)
+    policy = _calibrated(create("auto", 8), world, 4)
+    assert size_bucket(3) != size_bucket(4)
+    assert world.best(3, policy.candidates) == 1 and world.best(4, policy.candidates) == 3  # the premise
+    chosen = {3: [], 4: []}
+    for i in range(600):
+        batch = 3 if i % 3 == 0 else 4
+        k = policy.choose(batch)
+        n, s, accepted = world.step(batch, k)
+        policy.observe(batch, k, n, s, 0.0, accepted, batch)
+        chosen[batch].append(k)
+    for batch, want in ((3, 1), (4, 3)):
+        assert chosen[batch][-100:].count(want) >= 90, (batch, chosen[batch][-100:])
+        best = world.goodput(batch, want)
+        assert _expected_goodput(world, batch, chosen[batch]) >= 0.95 * best, batch
