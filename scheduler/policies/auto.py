@@ -16,7 +16,8 @@ it goes unmeasured.
 
 Step cost, per batch-size bucket (`size_bucket`: each batch size up to EXACT_SIZES, powers of two beyond), per k:
 the median of the last `window` steady step times (the step's wall time less the one-off draft catch-up, which is
-paid once per token whatever k follows; k = 0 steps measure the target alone; the first `settle_steps` k = 0 steps after drafting steps are not recorded:
+paid once per token whatever k follows; k = 0 steps measure the target alone; the first `settle_steps` k = 0 steps
+after drafting steps are not recorded:
 right after drafting a k = 0 step costs more than plain decoding does in a row, on the toy pair twice, settling
 over some ten steps). Over k > 0 a line a + b * k is fitted through those medians, weighted
 by their sample counts (k draft forwards and k more query columns in the verify; the jump from k = 0, a
