@@ -35,7 +35,7 @@ class SchedulerConfig:
     # a same-length group smaller than this runs as a mixed batch; 0: B (a group runs alone only when it fills the
     # batch: a mixed step costs about what a grouped one of as many rows does, while a step of half the rows costs far
     # more than half; with B // 2 the 350m pair at B = 4 decoded 2-row groups beside 6 waiting rows, and target-ar
-    # was 17% slower in a probe: docs/BENCHMARKS.md section 2, session 31)
+    # was 15% slower in a probe: docs/BENCHMARKS.md section 2, session 31)
     min_group_size: int = 0
     max_wait_steps: int = 8  # aging: a running sequence waits at most this many decode steps
     max_prefill_tokens: int = 512  # rows x width of a prefill step at most, padding included (chunked beyond it)

@@ -328,11 +328,11 @@ class AutoPolicy(SpeculationPolicy):
         se = 1.25 * 1.4826 * statistics.median(abs(x - med) for x in paired) / math.sqrt(len(paired))
         return 1.0 + math.copysign(max(0.0, abs(med - 1.0) - se), med - 1.0)
 
-    def _nearest_drafted(self, st: _Bucket) -> tuple[_Bucket, int] | None:
+    def _nearest_drafted(self, st: _Bucket) -> tuple[_Bucket, float] | None:
         """(the bucket nearest to `st` in log2 batch size whose costs include k = 0 and some k > 0, that
         distance); None if there is none."""
         found = [
-            (abs(o.bit_length() - st.size.bit_length()), o)
+            (abs(math.log2(o / st.size)), o)
             for o, x in self._buckets.items()
             if x is not st and x.costs.get(0) and any(c > 0 and x.costs[c] for c in x.costs)
         ]
