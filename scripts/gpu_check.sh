@@ -30,6 +30,8 @@
 # profile-eager 47-60 s. The bench and loadtest stages, first run on 2026-11-27 (third session, one warm machine):
 # bench-1b 101 s with its pair already built (B = 1, 8, 16 prompts; with B = 1, 8, 32 and 32 prompts it did not fit
 # 180 s), bench-8b 191 s building the 8b pair, loadtest-1b 192 s. They run last.
+# On an H200 on 2026-11-28 (fresh machine): kernel tests 86 s, gpu-tests 68 s, bf16 51 s, bench-1b 45 s (3 methods,
+# building the pair), loadtest-1b 81 s with RATES=16; scripts/gpu_loadtest.sh 8b with RATES="inf 4" 203 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

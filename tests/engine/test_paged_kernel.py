@@ -294,14 +294,17 @@ def fresh_variants(monkeypatch):
 @needs_kernel
 def test_warm_up_launches_every_variant_once_then_logs_a_new_one(fresh_variants, monkeypatch, caplog):
     case = make_case([23, 6], q_len=1, heads=4, kv_heads=2, head_dim=16, seed=8)
-    expected = len(kernel_module.kernel_variants(2, 16, (1,)))  # the CPU: BLOCK_M 16, 32, 64; no key splits
-    assert kernel_module.warm_up(4, case.clean_k, case.clean_v, None) == expected == 3
+    gpu = kernel_module._gpu_multiprocessors(case.clean_k.device) is not None
+    # BLOCK_M 16, 32, 64, each with every key split a GPU may pick (1, 2, 4, 8, 16); the CPU splits no keys
+    expected = len(kernel_module.kernel_variants(2, 16, kernel_module.SPLITS if gpu else (1,)))
+    assert expected == (3 * len(kernel_module.SPLITS) if gpu else 3)
+    assert kernel_module.warm_up(4, case.clean_k, case.clean_v, None) == expected
     assert kernel_module.warm_up(4, case.clean_k, case.clean_v, None) == 0  # nothing new
     for q_len in (1, 5, 9, 20):  # decode, a verify, prefill chunks: every BLOCK_M
         assert_kernel_matches(make_case([23, 26], q_len=q_len, heads=4, kv_heads=2, head_dim=16, seed=8))
     assert "after warm_up" not in caplog.text
-    assert kernel_module.warm_up(4, case.clean_k, case.clean_v, 3) == 3  # a window: variants of their own
-    monkeypatch.setattr(kernel_module, "_num_splits", lambda *args: 2)  # a variant warm_up did not launch
+    assert kernel_module.warm_up(4, case.clean_k, case.clean_v, 3) == expected  # a window: variants of their own
+    monkeypatch.setattr(kernel_module, "_num_splits", lambda *args: 3)  # a variant warm_up did not launch
     assert_kernel_matches(make_case([23, 26], q_len=1, heads=4, kv_heads=2, head_dim=16, seed=8))
     assert "launched for the first time after warm_up" in caplog.text
 
