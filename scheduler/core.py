@@ -68,10 +68,16 @@ INTERNAL_ERROR = "internal error while generating this request; the server log h
 
 class SchedulerCore:
     def __init__(
-        self, engine: EngineProtocol, config: SchedulerConfig, speculation: SpeculationPolicy | None = None
+        self, engine: EngineProtocol, config: SchedulerConfig, speculation: SpeculationPolicy | None = None,
+        *, prefill_first: bool = False,
     ) -> None:
         """`speculation`: a policy carried over from an earlier core, with what it measured (a server's one
-        scheduler keeps its policy across requests; an offline caller running batch after batch may too)."""
+        scheduler keeps its policy across requests; an offline caller running batch after batch may too).
+        `prefill_first`: an offline run's order, where no stream waits for its next token: a prompt in the pool is
+        prefilled before any row decodes, so every admitted row is there to fill the decode batches, to the end
+        (with prefill's time share instead, a closed batch's late long prompt decoded alone after the others had
+        finished: 80 decode steps against 62 for 8 prompts at B = 4 on the 350m pair, docs/BENCHMARKS.md section 2,
+        session 32)."""
         if config.pool_size > engine.num_slots:
             raise ConfigError(
                 f"pool_size ({config.pool_size}) exceeds the engine's KV slots ({engine.num_slots}): "
@@ -83,6 +89,7 @@ class SchedulerCore:
             raise ConfigError(str(e)) from e
         self.engine = engine
         self.config = config
+        self.prefill_first = prefill_first
         k_max = config.num_speculative_tokens if engine.has_draft else 0
         self.speculation = speculation or policies.create(config.speculation, k_max)
         self.waiting: deque[Request] = deque()
@@ -90,7 +97,7 @@ class SchedulerCore:
         self._by_seq: dict[int, Request] = {}  # engine sequence id -> request, while admitted
         self._next_seq_id = 0
         self._prefill_credit = 0.0  # seconds of engine time prefill may still take before decode's turn
-        self._decoded_last = False  # the last step was a decode step (a prefill chunk may fill its free places)
+        self._prefill_since_decode = 0.0  # engine seconds of prefill since the last decode step
         self._prefill_s_per_token = 0.0  # measured prefill speed (padding included); 0: not measured yet
         self._prefill_cost = PrefillCost()  # a prefill step's seconds against its padded tokens (plan_prefill)
         self._pending: list[Delta] = []  # deltas of requests that failed outside a step's results
@@ -205,17 +212,25 @@ class SchedulerCore:
         running = [r for r in self.pool if r.state is RequestState.RUNNING]
         deltas: list[Delta] = []
         stats: list[StepStats] = []
-        # Prefill runs when nothing decodes, when its time share allows, or, once after each decode step, when
-        # the decode batch has free places (fewer running rows than max_batch_size): a decode step costs about
-        # the same with a few rows more, so filling it is throughput, and one chunk keeps the gap bounded.
-        underfilled = len(running) < self.config.max_batch_size and self._decoded_last
-        prefill = bool(prefilling) and (not running or self._prefill_credit >= 0.0 or underfilled)
+        # Prefill runs when nothing decodes, when its time share allows, or while the decode batch has free places
+        # (fewer running rows than max_batch_size) and the running rows have waited less than max_prefill_chunk_s
+        # of prefill since their last step (an offline run, max_prefill_chunk_s 0, has no streams to wait): a decode
+        # step costs about the same with more rows (on a GPU, 4 rows cost what 32 do), so filling it first is
+        # throughput, and the time bound keeps a running stream's gap as short as one chunk does.
+        room = self._prefill_room_s()
+        underfilled = len(running) < self.config.max_batch_size and room > 0.0
+        prefill = bool(prefilling) and (
+            self.prefill_first or not running or self._prefill_credit >= 0.0 or underfilled
+        )
         if prefill:
-            deltas, stats = self._prefill_step(prefilling, t0, self._prefill_budget(bool(running)))
+            # a step that runs only to fill free places takes what is left of the bound; any other, a whole chunk
+            spent = 0.0 if not running or self._prefill_credit >= 0.0 else self._prefill_since_decode
+            deltas, stats = self._prefill_step(prefilling, t0, self._prefill_budget(bool(running), spent))
         elif running:
             deltas, stats = self._decode_step(running, t0)
         self._share_time(bool(prefilling and running), prefill, stats)
-        self._decoded_last = bool(stats) and not prefill
+        seconds = sum(s.draft_s + s.verify_s for s in stats)
+        self._prefill_since_decode = self._prefill_since_decode + seconds if prefill else 0.0
         pending, self._pending = self._pending, []
         return pending + deltas, stats
 
@@ -314,13 +329,20 @@ class SchedulerCore:
         return (f"a prompt of {length} tokens needs {need} KV blocks of {self.engine.block_size} positions; "
                 f"the KV cache has {self.engine.num_blocks} in all")
 
-    def _prefill_budget(self, contended: bool) -> int:
+    def _prefill_room_s(self) -> float:
+        """Seconds of prefill the running rows may still wait for since their last decode step: what is left of
+        max_prefill_chunk_s (infinite where it is 0: no cut, an offline run)."""
+        bound = self.config.max_prefill_chunk_s
+        return bound - self._prefill_since_decode if bound > 0 else float("inf")
+
+    def _prefill_budget(self, contended: bool, spent: float = 0.0) -> int:
         """Tokens (rows x width) the next prefill step may take: max_prefill_tokens, cut while sequences decode
-        to about max_prefill_chunk_s at the measured prefill speed (so a running stream waits at most about
-        that long for a chunk), but never below MIN_PREFILL_CHUNK (the prompt still moves)."""
+        to about max_prefill_chunk_s less `spent` (prefill seconds they have already waited) at the measured
+        prefill speed (so a running stream waits at most about that long), but never below MIN_PREFILL_CHUNK
+        (the prompt still moves)."""
         budget = self.config.max_prefill_tokens
         if contended and self.config.max_prefill_chunk_s > 0 and self._prefill_s_per_token > 0:
-            fits = int(self.config.max_prefill_chunk_s / self._prefill_s_per_token)
+            fits = int((self.config.max_prefill_chunk_s - spent) / self._prefill_s_per_token)
             budget = min(budget, max(MIN_PREFILL_CHUNK, fits))
         return budget
 

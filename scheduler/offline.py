@@ -94,7 +94,7 @@ class OfflineRun:
         config: SchedulerConfig,
         speculation: SpeculationPolicy | None = None,
     ) -> None:
-        self.core = SchedulerCore(engine, replace(config, max_prefill_chunk_s=0.0), speculation)
+        self.core = SchedulerCore(engine, replace(config, max_prefill_chunk_s=0.0), speculation, prefill_first=True)
         self.requests = [Request(str(i), list(p), sp, order=i) for i, (p, sp) in enumerate(zip(prompts, params))]
         for r in self.requests:
             self.core.add(r)
@@ -138,7 +138,8 @@ def generate_offline(
     No stream waits between two tokens of an offline run, so its prefill chunks are not cut to
     `max_prefill_chunk_s` (a server's inter-token latency bound): a long prompt is prefilled in chunks of
     `max_prefill_tokens` and joins the decode batch sooner, and a large chunk costs less per token than a small one
-    (docs/BENCHMARKS.md section 2)."""
+    (docs/BENCHMARKS.md section 2); and its prompts are prefilled first (`SchedulerCore`'s `prefill_first`), so the
+    decode batches stay full to the end."""
     run = OfflineRun(engine, prompts, params, config, speculation)
     bar = None
     if progress:

@@ -41,7 +41,8 @@ class SchedulerConfig:
     max_prefill_tokens: int = 512  # rows x width of a prefill step at most, padding included (chunked beyond it)
     # While sequences decode, a prefill step is also cut to about this many seconds at the prefill speed measured
     # so far (seconds per token, padding included), so that a running stream's gap between two tokens stays short
-    # where a prefill of max_prefill_tokens is slow (a CPU); 0: no cut.
+    # where a prefill of max_prefill_tokens is slow (a CPU); the prefill steps that fill free places of the decode
+    # batch run back to back within it; 0: no cut.
     max_prefill_chunk_s: float = 0.15
 
     def __post_init__(self) -> None:

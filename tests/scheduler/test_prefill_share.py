@@ -10,7 +10,7 @@ import pytest
 
 from exspec.engine.params import SamplingParams
 from exspec.scheduler import SchedulerConfig, SchedulerCore
-from exspec.scheduler.core import PREFILL_TIME_SHARE
+from exspec.scheduler.core import MIN_PREFILL_CHUNK, PREFILL_TIME_SHARE
 from exspec.scheduler.request import Request
 from tests.support.fake_engine import FakeEngine
 
@@ -146,25 +146,42 @@ def test_running_streams_keep_a_bounded_gap_while_a_long_prompt_is_prefilled(k):
 
 
 @pytest.mark.parametrize("k", [0, 4])
-def test_a_decode_batch_with_free_places_gets_a_prefill_chunk_first(k):
+@pytest.mark.parametrize("s_per_token", [PREFILL_S_PER_TOKEN, 0.002])
+def test_a_decode_batch_with_free_places_is_filled_first_within_the_gap_bound(k, s_per_token):
     """A pool of max_batch_size rows (as `exspec bench` runs target-ar): a row finishes and a 1200-token prompt
-    (3 chunks) takes its place. While the decode batch has that free place, each decode step is followed by a
-    chunk (the time share alone would run about a chunk's time of 3-row decode steps between chunks), so the
-    place is filled sooner and running rows still wait at most one chunk between two decode steps."""
-    run = Run(k, max_batch_size=4, pool_size=4, max_prefill_tokens=512)
+    (3 chunks of 512) takes its place. While the decode batch has that free place, prefill runs before the 3
+    rows decode again for as long as they have waited less than max_prefill_chunk_s (0.15 s) of prefill:
+    - a fast prefill (0.1 ms a token, 51 ms a chunk, a GPU's side of the trade): the three chunks run back to
+      back (the third cut to what is left of the bound), no 3-row decode step between them;
+    - a slow one (2 ms a token, a CPU's): each chunk is cut to about 0.15 s, then the rows decode once.
+    Either way a running row waits at most about max_prefill_chunk_s of prefill between two decode steps."""
+    run = Run(k, s_per_token, max_batch_size=4, pool_size=4, max_prefill_tokens=512)
     for i, max_tokens in enumerate((4, 200, 200, 200)):
         run.add(_req(i, 20, max_tokens))
     run.add(_req(4, 1200, 20))  # admitted when row 0 finishes
-    streak, worst, chunks = 0, 0, 0
+    streak, worst, long_chunks, waited, longest = 0, 0, 0, 0.0, 0.0
     while run.core.has_work():
         awaiting = any(r.num_prefilled < r.prompt_len for r in run.core.pool)  # admitted, not prefilled yet
+        decoding = any(r.num_output_tokens for r in run.core.pool)
         _, stats = run.core.step()
         if stats and stats[0].kind == "prefill":
-            streak, chunks = 0, chunks + (stats[0].num_prompt_tokens >= 176)  # the long prompt's chunks
-        elif stats and awaiting and stats[0].batch_size < 4:
-            streak += 1
-            worst = max(worst, streak)
-    assert chunks == 3 and worst == 1, (chunks, worst)
+            streak = 0
+            if decoding:  # the long prompt's chunk, while rows decode: they wait for it
+                long_chunks += 1
+                waited += stats[0].verify_s
+                longest = max(longest, waited)
+        else:
+            waited = 0.0
+            if stats and awaiting and stats[0].batch_size < 4:
+                streak += 1
+                worst = max(worst, streak)
+    cut = 0.15 / s_per_token  # tokens of one cut chunk
+    if s_per_token == PREFILL_S_PER_TOKEN:
+        assert (long_chunks, worst) == (3, 0), (long_chunks, worst)
+    else:
+        assert long_chunks >= 1200 / cut and worst == 1, (long_chunks, worst)
+    # the bound, overshot by at most the smallest chunk a step always may take
+    assert longest <= 0.15 + MIN_PREFILL_CHUNK * s_per_token + 1e-9, longest
 
 
 @pytest.mark.parametrize("k", [0, 4])
@@ -214,8 +231,8 @@ class ChunkLog(TimedEngine):
 def test_an_offline_run_does_not_cut_prefill_chunks_for_streams(k):
     """max_prefill_chunk_s bounds a stream's gap between two tokens; an offline run has no stream. With a slow
     prefill (2 ms a token: a 0.15 s cut is 75 tokens), a 2000-token prompt beside 8 decoding rows is
-    prefilled in chunks of max_prefill_tokens by generate_offline, in cut chunks by the same core driven as a
-    server drives it; the outputs are the same."""
+    prefilled in chunks of max_prefill_tokens by generate_offline (before the rows decode: it prefills first), in
+    cut chunks between decode steps by the same core driven as a server drives it; the outputs are the same."""
     from exspec.scheduler.offline import generate_offline
 
     config = SchedulerConfig(max_batch_size=8, pool_size=16, max_prefill_tokens=512, max_prefill_chunk_s=0.15,
@@ -236,6 +253,41 @@ def test_an_offline_run_does_not_cut_prefill_chunks_for_streams(k):
 
     beside = [n for n, decoding in served.long_chunks if decoding]
     assert beside and max(beside) <= 0.15 / 0.002, served.long_chunks  # cut while rows decode
-    beside = [n for n, decoding in offline.long_chunks if decoding]
-    assert beside and min(beside[:-1]) == 512, offline.long_chunks  # whole chunks, the last one the rest
+    # whole chunks, the last one the rest, and all before any row decodes (an offline run prefills first)
+    assert min(n for n, _ in offline.long_chunks[:-1]) == 512, offline.long_chunks
+    assert not any(decoding for _, decoding in offline.long_chunks), offline.long_chunks
     assert [r.token_ids for r in results] == [r.output_token_ids for r in reqs]
+
+
+class StepLog(TimedEngine):
+    """TimedEngine that records each decode step's rows."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.rows: list[int] = []
+
+    def step(self, batch):
+        self.rows.append(len(batch.seq_ids))
+        return super().step(batch)
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_an_offline_closed_batch_keeps_its_decode_batches_full(k):
+    """8 prompts in a pool of 8 at B = 4, one of them 2000 tokens (4 chunks of 512 at 2 ms a token): an offline
+    run prefills first, so the long prompt is ready with the others and every decode step has 4 rows until fewer
+    than 4 are left. With prefill's time share instead (a server's order) its chunks trail the other rows' decoding
+    and it decodes alone at the end (the 350m pair did so in a closed batch: docs/BENCHMARKS.md section 2, session
+    32)."""
+    from exspec.scheduler.offline import generate_offline
+
+    config = SchedulerConfig(max_batch_size=4, pool_size=8, max_prefill_tokens=512, num_speculative_tokens=k,
+                             speculation="fixed")
+    prompts = [[1 + (j % 90) for j in range(n)] for n in [20, 2000] + [20] * 6]
+    params = [SamplingParams(max_tokens=32, ignore_eos=True)] * 8
+    engine = StepLog(0.002, num_slots=16, max_model_len=10_000)
+    results, _ = generate_offline(engine, prompts, params, config)
+    assert all(len(r.token_ids) == 32 for r in results)
+    full = engine.rows[: len(engine.rows) - 3]  # the last steps may have fewer rows left to run
+    assert min(full) == 4, engine.rows
+    if k == 0:  # 8 rows x 31 decode tokens in steps of 4
+        assert len(engine.rows) == 62, engine.rows

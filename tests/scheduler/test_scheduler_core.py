@@ -56,7 +56,7 @@ def test_outputs_follow_engine_tokens_and_finish_reason():
 
 def test_prefill_is_chunked_and_interleaved_with_decoding():
     eng = FakeEngine()
-    core = SchedulerCore(eng, SchedulerConfig(max_batch_size=4, pool_size=4, max_prefill_tokens=8))
+    core = SchedulerCore(eng, SchedulerConfig(max_batch_size=1, pool_size=4, max_prefill_tokens=8))
     core.add(req(0, prompt_len=3, max_tokens=50))
     core.step()  # prefill of request 0
     core.add(req(1, prompt_len=30, max_tokens=5))
@@ -64,11 +64,30 @@ def test_prefill_is_chunked_and_interleaved_with_decoding():
     for _ in range(8):
         _, stats = core.step()
         kinds.append(stats[0].kind)
-    # A 30-token prompt with an 8-token budget takes 4 prefill steps; steps reporting equal times (here none)
-    # share the time one for one: never two prefill steps in a row while 0 decodes.
+    # A 30-token prompt with an 8-token budget takes 4 prefill steps. The decode batch is full (B = 1), so
+    # steps reporting equal times (here none) share the time one for one: never two prefill steps in a row while
+    # 0 decodes.
     assert kinds.count("prefill") == 4
     assert all(not (a == b == "prefill") for a, b in zip(kinds, kinds[1:]))
     assert all(len(p.chunks) * max(c.end - c.start for c in p.chunks) <= 8 for p in eng.prefills)  # padded
+
+
+def test_a_closed_batch_fills_the_decode_batch_before_decoding():
+    """8 prompts of unequal lengths (not padded into one prefill step) in a pool of 2B at B = 4: prefill runs step
+    after step until 4 rows can decode (prefill here reports no time, so the running rows' bound on waiting is never
+    reached), and the first decode step has 4 rows, not the 1 or 2 the first prefill steps made ready."""
+    eng = FakeEngine()
+    core = SchedulerCore(eng, SchedulerConfig(max_batch_size=4, pool_size=8, max_prefill_tokens=512))
+    for i, n in enumerate((10, 30, 50, 70, 90, 110, 130, 150)):
+        core.add(req(i, prompt_len=n, max_tokens=20))
+    first_decode, prefills = None, 0
+    while first_decode is None:
+        _, stats = core.step()
+        if stats[0].kind == "prefill":
+            prefills += 1
+        else:
+            first_decode = stats[0].batch_size
+    assert prefills >= 2 and first_decode == 4, (prefills, first_decode)
 
 
 def test_abort_frees_slot_at_step_boundary():
