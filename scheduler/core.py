@@ -217,8 +217,7 @@ class SchedulerCore:
         # of prefill since their last step (an offline run, max_prefill_chunk_s 0, has no streams to wait): a decode
         # step costs about the same with more rows (on a GPU, 4 rows cost what 32 do), so filling it first is
         # throughput, and the time bound keeps a running stream's gap as short as one chunk does.
-        room = self._prefill_room_s()
-        underfilled = len(running) < self.config.max_batch_size and room > 0.0
+        underfilled = len(running) < self.config.max_batch_size and self._may_fill()
         prefill = bool(prefilling) and (
             self.prefill_first or not running or self._prefill_credit >= 0.0 or underfilled
         )
@@ -329,11 +328,12 @@ class SchedulerCore:
         return (f"a prompt of {length} tokens needs {need} KV blocks of {self.engine.block_size} positions; "
                 f"the KV cache has {self.engine.num_blocks} in all")
 
-    def _prefill_room_s(self) -> float:
-        """Seconds of prefill the running rows may still wait for since their last decode step: what is left of
-        max_prefill_chunk_s (infinite where it is 0: no cut, an offline run)."""
-        bound = self.config.max_prefill_chunk_s
-        return bound - self._prefill_since_decode if bound > 0 else float("inf")
+    def _may_fill(self) -> bool:
+        """Whether a prefill step may run to fill free places of the decode batch: right after a decode step (one
+        chunk, as ever), then while a chunk of MIN_PREFILL_CHUNK tokens at the measured speed still fits in what is
+        left of max_prefill_chunk_s since the running rows' last step (always where it is 0: no bound)."""
+        bound, spent = self.config.max_prefill_chunk_s, self._prefill_since_decode
+        return bound <= 0 or spent == 0.0 or spent + MIN_PREFILL_CHUNK * self._prefill_s_per_token <= bound
 
     def _prefill_budget(self, contended: bool, spent: float = 0.0) -> int:
         """Tokens (rows x width) the next prefill step may take: max_prefill_tokens, cut while sequences decode

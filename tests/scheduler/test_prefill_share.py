@@ -10,7 +10,7 @@ import pytest
 
 from exspec.engine.params import SamplingParams
 from exspec.scheduler import SchedulerConfig, SchedulerCore
-from exspec.scheduler.core import MIN_PREFILL_CHUNK, PREFILL_TIME_SHARE
+from exspec.scheduler.core import PREFILL_TIME_SHARE
 from exspec.scheduler.request import Request
 from tests.support.fake_engine import FakeEngine
 
@@ -154,7 +154,7 @@ def test_a_decode_batch_with_free_places_is_filled_first_within_the_gap_bound(k,
     - a fast prefill (0.1 ms a token, 51 ms a chunk, a GPU's side of the trade): the three chunks run back to
       back (the third cut to what is left of the bound), no 3-row decode step between them;
     - a slow one (2 ms a token, a CPU's): each chunk is cut to about 0.15 s, then the rows decode once.
-    Either way a running row waits at most about max_prefill_chunk_s of prefill between two decode steps."""
+    Either way a running row waits at most max_prefill_chunk_s of prefill between two decode steps."""
     run = Run(k, s_per_token, max_batch_size=4, pool_size=4, max_prefill_tokens=512)
     for i, max_tokens in enumerate((4, 200, 200, 200)):
         run.add(_req(i, 20, max_tokens))
@@ -180,8 +180,8 @@ def test_a_decode_batch_with_free_places_is_filled_first_within_the_gap_bound(k,
         assert (long_chunks, worst) == (3, 0), (long_chunks, worst)
     else:
         assert long_chunks >= 1200 / cut and worst == 1, (long_chunks, worst)
-    # the bound, overshot by at most the smallest chunk a step always may take
-    assert longest <= 0.15 + MIN_PREFILL_CHUNK * s_per_token + 1e-9, longest
+    # the bound: a further step only while a chunk of MIN_PREFILL_CHUNK tokens still fits in it, cut to what is left
+    assert longest <= 0.15 + 1e-9, longest
 
 
 @pytest.mark.parametrize("k", [0, 4])
@@ -291,3 +291,22 @@ def test_an_offline_closed_batch_keeps_its_decode_batches_full(k):
     assert min(full) == 4, engine.rows
     if k == 0:  # 8 rows x 31 decode tokens in steps of 4
         assert len(engine.rows) == 62, engine.rows
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_filling_free_places_stops_before_the_gap_bound(k):
+    """One stream runs at B = 4; three 60-token prompts arrive (2 ms a token: 0.12 s each). After a decode step one
+    prompt is prefilled (0.12 s); a further fill step would need at least MIN_PREFILL_CHUNK tokens (0.032 s), past
+    max_prefill_chunk_s (0.15 s), so the stream decodes first: it never waits more than 0.15 s of prefill (a rule that
+    filled while any time was left took a 16-token chunk there: 0.152 s)."""
+    run = Run(k, 0.002, max_batch_size=4, pool_size=8, max_prefill_tokens=512)
+    run.add(_req(0, 20, 10_000))
+    run.until(lambda: len(run.emitted.get("0", ())) >= 3)
+    start = run.now
+    for i in (1, 2, 3):
+        run.add(_req(i, 60, 4))
+    run.until(lambda: all(str(i) in run.emitted for i in (1, 2, 3)))
+    times = [t for t in run.emitted["0"] if t >= start]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    decode = DECODE_S + k * DRAFT_S
+    assert max(gaps) <= decode + 0.15 + 1e-9, (max(gaps), decode)
