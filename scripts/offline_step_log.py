@@ -44,7 +44,7 @@ def main() -> None:
     prompts = encode_prompts(engine.tokenizer, load_questions("specbench", args.num_prompts), False)
     print("prompt lengths", [len(p) for p in prompts])
     pool = args.pool_size or max(args.batch_size, len(prompts))
-    # max_prefill_chunk_s 0: what generate_offline and the bench run (no stream waits offline)
+    # max_prefill_chunk_s 0 and prefill first: what generate_offline and the bench run (no stream waits offline)
     cfg = SchedulerConfig(max_batch_size=args.batch_size, pool_size=pool, num_speculative_tokens=args.k,
                           speculation=args.speculation, max_prefill_chunk_s=0.0)
     policy = policies.create(cfg.speculation, args.k)
@@ -53,7 +53,7 @@ def main() -> None:
         SchedulerCore(engine, cfg, policy).calibrate(calibration_prompts(engine.tokenizer, args.batch_size, 2048))
         print(f"calibrated in {time.perf_counter() - t0:.1f} s: k* {({b: v['best_k'] for b, v in policy.summary().items()})}")
     for run in range(args.runs):
-        core = SchedulerCore(engine, cfg, policy)
+        core = SchedulerCore(engine, cfg, policy, prefill_first=True)
         for i, p in enumerate(prompts):
             max_tokens = 8 if run == 0 else args.max_tokens
             core.add(Request(str(i), list(p), SamplingParams(max_tokens=max_tokens, temperature=0.0), order=i))
