@@ -102,13 +102,13 @@ def measure_forward_latency(model_dirs, batch_sizes=(1, 8), context: int = 32, r
             ids = torch.randint(10, models[0].config.vocab_size, (b, context), generator=torch.Generator().manual_seed(0))
             caches = [DynamicCache(config=m.config) for m in models]
             for m, c in zip(models, caches):
-                m(input_ids=ids, past_key_values=c, use_cache=True)
+                m(input_ids=ids, cache=c, use_cache=True)
             nxt = ids[:, -1:]  # [b, 1]
             times: list[list[float]] = [[] for _ in models]
             for _ in range(repeats + 5):
                 for m, c, ts in zip(models, caches, times):
                     t = time.perf_counter()
-                    m(input_ids=nxt, past_key_values=c, use_cache=True)
+                    m(input_ids=nxt, cache=c, use_cache=True)
                     ts.append(time.perf_counter() - t)
                     c.crop(-1)  # drop it again: always one new token over the same context
             for res, ts in zip(results, times):
