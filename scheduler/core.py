@@ -214,9 +214,9 @@ class SchedulerCore:
         stats: list[StepStats] = []
         # Prefill runs when nothing decodes, when its time share allows, or while the decode batch has free places
         # (fewer running rows than max_batch_size) and the running rows have waited less than max_prefill_chunk_s
-        # of prefill since their last step (an offline run, max_prefill_chunk_s 0, has no streams to wait): a decode
-        # step costs about the same with more rows (on a GPU, 4 rows cost what 32 do), so filling it first is
-        # throughput, and the time bound keeps a running stream's gap as short as one chunk does.
+        # of prefill since their last step (no bound where it is 0): a decode step costs about the same with more
+        # rows (on a GPU, 4 rows cost what 32 do), so filling it first is throughput, and the time bound keeps a
+        # running stream's gap as short as one chunk does. An offline run (prefill_first) prefills whenever it can.
         underfilled = len(running) < self.config.max_batch_size and self._may_fill()
         prefill = bool(prefilling) and (
             self.prefill_first or not running or self._prefill_credit >= 0.0 or underfilled
