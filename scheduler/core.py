@@ -227,13 +227,13 @@ class SchedulerCore:
             deltas, stats = self._prefill_step(prefilling, t0, self._prefill_budget(bool(running), spent))
         elif running:
             deltas, stats = self._decode_step(running, t0)
-        self._share_time(bool(prefilling and running), prefill, stats)
-        seconds = sum(s.draft_s + s.verify_s for s in stats)
+        seconds = sum(s.draft_s + s.verify_s for s in stats)  # the step's engine time, as the engine reports it
+        self._share_time(bool(prefilling and running), prefill, seconds)
         self._prefill_since_decode = self._prefill_since_decode + seconds if prefill else 0.0
         pending, self._pending = self._pending, []
         return pending + deltas, stats
 
-    def _share_time(self, contended: bool, was_prefill: bool, stats: list[StepStats]) -> None:
+    def _share_time(self, contended: bool, was_prefill: bool, seconds: float) -> None:
         """Prefill gets its share of time, not of steps. While prompts wait to be prefilled and sequences
         decode, each decode step earns prefill share / (1 - share) of its engine time as credit and each
         prefill step spends its own; prefill runs while the credit is >= 0. So waiting prompts get
@@ -244,7 +244,7 @@ class SchedulerCore:
         if not contended:  # nothing to share: the next contention starts even
             self._prefill_credit = 0.0
             return
-        seconds = max(MIN_STEP_S, sum(s.draft_s + s.verify_s for s in stats))
+        seconds = max(MIN_STEP_S, seconds)
         if was_prefill:
             self._prefill_credit -= seconds
         else:

@@ -36,8 +36,8 @@ def main() -> None:
     args = ap.parse_args()
     demo = Path(args.demo)
     engine = SpecEngine(
-        EngineConfig(model=demo / "target", draft_model=demo / "draft", max_num_seqs=2 * args.batch_size, max_model_len=1024,
-                     max_num_speculative_tokens=args.k)
+        EngineConfig(model=demo / "target", draft_model=demo / "draft", max_num_seqs=4 * args.batch_size,
+                     max_model_len=1024, max_num_speculative_tokens=args.k)
     )
     forward_s = {"target": 0.0, "draft": 0.0}
     names = {id(engine.target): "target", id(engine.draft): "draft"}
@@ -52,7 +52,7 @@ def main() -> None:
 
     ModelRunner.extend = timed
     prompts = encode_prompts(engine.tokenizer, load_questions("specbench", args.num_prompts), True)
-    cfg = SchedulerConfig(max_batch_size=args.batch_size, pool_size=2 * args.batch_size, num_speculative_tokens=args.k,
+    cfg = SchedulerConfig(max_batch_size=args.batch_size, pool_size=4 * args.batch_size, num_speculative_tokens=args.k,
                           speculation=args.speculation)
     core = SchedulerCore(engine, cfg)
     for i, p in enumerate(prompts):
