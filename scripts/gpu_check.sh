@@ -20,7 +20,8 @@
 # tables' pairs and stage limits); GPU_CHECK_AGREEMENT_SCALES (the scales swept by scripts/synthetic_agreement.py);
 # GPU_CHECK_SKIP (stage names not to run, comma-separated); GPU_CHECK_BENCH_METHODS (the bench stages' --methods);
 # GPU_CHECK_BENCH_COMPILE (the bench stages' --compile-mode:
-# cudagraph (default), inductor, or off for eager); GPU_CHECK_WHEELS (default: .whl): a folder of wheels
+# cudagraph (default), inductor, or off for eager); GPU_CHECK_PROFILE_CONFIGS (profile-compiled's B:k list, default
+# 1:0,1:2,8:2); GPU_CHECK_WHEELS (default: .whl): a folder of wheels
 # installed into /tmp/exspec-site before anything runs, see docs/GPU.md.
 #
 # Ran on an H100 on 2026-11-24 (docs/BENCHMARKS.md section 0), in four calls, stage by stage: the limits below are
@@ -51,6 +52,7 @@ SHAPES=${GPU_CHECK_SHAPES:-1b:180,8b:240}  # the synthetic tables: NAME:LIMIT_S,
 SKIP=${GPU_CHECK_SKIP:-}  # stage names not to run, comma-separated
 BENCH_COMPILE_MODE=${GPU_CHECK_BENCH_COMPILE:-cudagraph}  # the bench stages' --compile-mode, or off
 BENCH_METHODS=${GPU_CHECK_BENCH_METHODS:-target-ar,exspec-fixed,exspec,hf-generate,hf-assisted}
+PROFILE_CONFIGS=${GPU_CHECK_PROFILE_CONFIGS:-1:0,1:2,8:2}  # profile-compiled's configurations, B:k
 AGREEMENT_SCALES=${GPU_CHECK_AGREEMENT_SCALES:-0.01,0.012,0.015}
 WHEELS=${GPU_CHECK_WHEELS:-.whl}
 SYNTHETIC_CACHE=${GPU_CHECK_SYNTHETIC_CACHE:-/tmp/exspec-synthetic}
@@ -176,7 +178,7 @@ stage compile-check-cudagraph 120 "$PYTHON" scripts/compile_check.py --synthetic
 stage profile-eager 90 "$PYTHON" scripts/profile_gpu_step.py --synthetic 1b --synthetic-cache "$SYNTHETIC_CACHE" \
     --configs 1:0,1:2,8:2,32:2 --out "$OUT_DIR/profile-eager"
 stage profile-compiled 200 "$PYTHON" scripts/profile_gpu_step.py --synthetic 1b --synthetic-cache "$SYNTHETIC_CACHE" \
-    --configs 1:0,1:2,8:2 --compile --out "$OUT_DIR/profile-compiled"
+    --configs "$PROFILE_CONFIGS" --compile --out "$OUT_DIR/profile-compiled"
 
 # 2c. The 8b pair's speed: the target alone against fixed k, eager and captured (docs/BENCHMARKS.md section 0).
 stage speed-8b 420 "$PYTHON" scripts/profile_gpu_step.py --synthetic 8b --synthetic-cache "$SYNTHETIC_CACHE" \
