@@ -88,11 +88,17 @@ def _engine_meta(engine) -> str:
 
 
 def _row_padding(pair) -> str:
-    """What `tune_row_padding` chose for each model of the pair (engine/packed_linear.py)."""
-    from exspec.engine.packed_linear import row_padding
+    """What `tune_row_padding` chose for each model of the pair (engine/packed_linear.py), and the pass times per row
+    count it chose from, relative to the fastest."""
+    from exspec.engine.packed_linear import row_padding, row_padding_times
 
     models = {"target": pair.target, **({"draft": pair.draft} if pair.draft is not None else {})}
-    return ", ".join(f"{role} {row_padding(model) or 'none'}" for role, model in models.items())
+    parts = []
+    for role, model in models.items():
+        times = row_padding_times(model)
+        measured = f" (pass time / fastest: {' '.join(f'{r}:{t:.2f}' for r, t in times.items())})" if times else ""
+        parts.append(f"{role} {row_padding(model) or 'none'}{measured}")
+    return ", ".join(parts)
 
 
 def _loadavg() -> str:

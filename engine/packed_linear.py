@@ -64,6 +64,7 @@ class PackedLinear(torch.nn.Module):
     padded rows, set for a whole model by `tune_row_padding`) pads a forward's rows with zero rows."""
 
     row_pad: dict[int, int] = {}  # replaced (never mutated) by tune_row_padding
+    row_pad_seconds: dict[int, float] = {}  # the medians it chose from (rows -> seconds a pass); {} when not tuned
 
     def __init__(self, linear: torch.nn.Linear, max_rows: int = 64) -> None:
         super().__init__()
@@ -162,7 +163,7 @@ def tune_row_padding(model: torch.nn.Module, *, max_rows: int = ROW_PAD_MAX_ROWS
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     size = sum(m.weight.numel() * m.weight.element_size() for m in {id(m.weight): m for m in linears}.values())
     for m in linears:
-        m.row_pad = {}
+        m.row_pad, m.row_pad_seconds = {}, {}
     if not linears or size < min_bytes or linears[0].weight.dtype != torch.float32 or not linears[0].weight.is_cpu:
         return {}
     sample = linears[:: max(1, round(size / sample_bytes))]
@@ -177,13 +178,27 @@ def tune_row_padding(model: torch.nn.Module, *, max_rows: int = ROW_PAD_MAX_ROWS
                     m(inputs[rows, m.in_features])
                 if round_:
                     seconds[rows].append(clock() - start)
-    pad = choose_row_padding({rows: statistics.median(ts) for rows, ts in seconds.items()})
+    medians = {rows: statistics.median(ts) for rows, ts in seconds.items()}
+    pad = choose_row_padding(medians)
     for m in linears:
-        m.row_pad = pad
+        m.row_pad, m.row_pad_seconds = pad, medians
     return pad
+
+
+def _first_packed(model: torch.nn.Module | None) -> PackedLinear | None:
+    return next((m for m in model.modules() if isinstance(m, PackedLinear)), None) if model is not None else None
 
 
 def row_padding(model: torch.nn.Module | None) -> dict[int, int]:
     """The row padding `tune_row_padding` set on the model ({}: none, or not packed)."""
-    first = next((m for m in model.modules() if isinstance(m, PackedLinear)), None) if model is not None else None
+    first = _first_packed(model)
     return dict(first.row_pad) if first is not None else {}
+
+
+def row_padding_times(model: torch.nn.Module | None) -> dict[int, float]:
+    """What `tune_row_padding` measured: rows -> a pass's median seconds over the fastest row count's (1.0 is the
+    fastest; {}: not tuned). Recorded so that a run's padding can be told apart from the load it was tuned under."""
+    first = _first_packed(model)
+    seconds = first.row_pad_seconds if first is not None else {}
+    fastest = min(seconds.values(), default=0.0)
+    return {rows: round(t / fastest, 3) for rows, t in seconds.items()} if fastest > 0 else {}

@@ -124,8 +124,18 @@ def test_tune_row_padding_times_every_row_count_and_pads_every_linear(monkeypatc
     reference = copy.deepcopy(model)
     prepack_linears(model, "unpadded")
     assert pl.tune_row_padding(model, min_bytes=10**12) == {}  # under min_bytes: not tuned
+    assert pl.row_padding_times(model) == {}
     pad = pl.tune_row_padding(model, min_bytes=0, repeats=3, clock=lambda: now[0])
     assert pad == {1: 4, 2: 4} and pl.row_padding(model) == pad
+    # what it chose from: each row count's pass (two linears) over the fastest's
+    fastest = min(_MEASURED.values())
+    assert pl.row_padding_times(model) == {r: round(t / fastest, 3) for r, t in _MEASURED.items()}
+    from types import SimpleNamespace
+
+    from exspec.bench.command import _row_padding  # what the bench records
+
+    assert _row_padding(SimpleNamespace(target=model, draft=None)) == (
+        "target {1: 4, 2: 4} (pass time / fastest: 1:1.33 2:1.60 3:1.11 4:1.01 5:1.00 6:1.00 7:1.26 8:1.37)")
     assert all(m.row_pad == pad for m in model if isinstance(m, PackedLinear))
     # 1 + 3 rounds over rows 1..8 (the two linears each), alternating direction
     assert sorted(set(calls)) == list(range(1, 9)) and len(calls) == 2 * 8 * 4
