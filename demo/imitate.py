@@ -76,18 +76,23 @@ def new_draft(target_config, shape: DraftShape, target_embedding=None):
 
 
 def target_continuations(target, prompts: list[list[int]], new_tokens: int, eos_id: int, pad_id: int,
-                         topk: int, batch_size: int, progress: bool, desc: str = "target continues prompts"
-                         ) -> ContinuationSet:
+                         topk: int, batch_size: int, progress: bool, desc: str = "target continues prompts",
+                         temperature: float = 0.0) -> ContinuationSet:
     """Greedy continuations of `prompts` (token ids) by the target, up to `new_tokens` each (ending at EOS
     when it writes one), with its top-k log-probabilities before each generated token. Batched by similar
-    lengths (left padding); returned in the order of `prompts`."""
+    lengths (left padding); returned in the order of `prompts`, on the CPU wherever the target runs.
+    temperature > 0: sampled continuations instead (torch's global RNG); the log-probabilities stay the
+    target's own (its raw logits, before the temperature)."""
     import torch
     import torch.nn.functional as F
     from tqdm.auto import tqdm
     from transformers import GenerationConfig
 
-    config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {
+        "do_sample": False}
+    config = GenerationConfig(**sampling, max_new_tokens=new_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
                               output_logits=True, return_dict_in_generate=True)
+    device = next(target.parameters()).device
     n = len(prompts)
     seqs, tops, lps = [None] * n, [None] * n, [None] * n
     order = sorted(range(n), key=lambda i: (len(prompts[i]), i))
@@ -101,10 +106,10 @@ def target_continuations(target, prompts: list[list[int]], new_tokens: int, eos_
             for r, i in enumerate(rows):
                 ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
                 mask[r, width - len(prompts[i]):] = 1
-            out = target.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+            out = target.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
             logits = torch.stack(out.logits, dim=1).float()  # [b, n, V]
-            top_lp, top_id = F.log_softmax(logits, dim=-1).topk(topk, dim=-1)  # [b, n, topk] each
-            gen = out.sequences[:, width:]  # [b, n]
+            top_lp, top_id = (t.cpu() for t in F.log_softmax(logits, dim=-1).topk(topk, dim=-1))  # [b, n, topk] each
+            gen = out.sequences[:, width:].cpu()  # [b, n]
             for r, i in enumerate(rows):
                 cont = gen[r].tolist()
                 if eos_id in cont:
