@@ -41,7 +41,8 @@ def run_command(args: argparse.Namespace, settings, resolve_models: Callable[[],
     template = resolve_engine(*pair)
     if args.mode == "forward":
         return _forward(args, template, resolve_models, resolve_engine)
-    return _throughput(args, template, resolve_models, resolve_engine, calibrate=settings.calibrate)
+    return _throughput(args, template, resolve_models, resolve_engine, calibrate=settings.calibrate,
+                       max_prefill_tokens=settings.max_prefill_tokens)
 
 
 def _pair(args, device: str, resolve_models) -> tuple[Path, Path | None, dict]:
@@ -110,14 +111,14 @@ def _loadavg() -> str:
 
 
 def _throughput(args, template: EngineConfig, resolve_models, resolve_engine: ResolveEngine,
-                calibrate: bool) -> int:
+                calibrate: bool, max_prefill_tokens: int) -> int:
     from exspec.bench.report import write_results
     from exspec.data.reference import write_reference
 
     # Validate every option before a pair may be built (minutes): the template holds placeholder paths. The
     # flags are BenchConfig's fields by name; an absent one (None) leaves BenchConfig's default.
     options = {name: getattr(args, name) for name in OPTIONS if getattr(args, name, None) is not None}
-    config = BenchConfig(engine=template, calibrate=calibrate, **options)
+    config = BenchConfig(engine=template, calibrate=calibrate, max_prefill_tokens=max_prefill_tokens, **options)
     if args.write_reference is not None and not args.write_reference.resolve().parent.is_dir():
         raise BenchError(f"--write-reference: directory {str(args.write_reference.resolve().parent)!r} does not exist")
     target, draft, extra = _pair(args, template.device, resolve_models)
@@ -144,6 +145,7 @@ def _throughput(args, template: EngineConfig, resolve_models, resolve_engine: Re
                          + ("; calibrated before its warm-up as `exspec serve` calibrates" if config.calibrate
                             else "; not calibrated (--no-calibrate)")
                          + "; exspec-fixed and exspec-mixed: fixed k",
+        "max_prefill_tokens": config.max_prefill_tokens,
         "repeats": config.repeats,
         "interleave": {
             "steps": "every method's run at once, one piece at a time (an engine step, a Hugging Face generate call), "

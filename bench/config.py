@@ -9,6 +9,7 @@ from pathlib import Path
 from exspec.bench.equivalence import NEAR_TIE_EPS
 from exspec.engine.config import EngineConfig, check_num_speculative_tokens
 from exspec.errors import BenchError
+from exspec.scheduler.types import SchedulerConfig
 
 METHODS = ("target-ar", "hf-generate", "hf-assisted", "exspec-mixed", "exspec-fixed", "exspec")
 ENGINE_METHODS = ("target-ar", "exspec-mixed", "exspec-fixed", "exspec")  # through our engine and scheduler
@@ -48,6 +49,8 @@ class BenchConfig:
     # `exspec`: its policy's calibration steps before the warm-up, as `exspec serve` runs them before serving (the
     # serve setting `calibrate`, resolved with the engine's settings: --calibrate / --no-calibrate)
     calibrate: bool = True
+    # tokens of one prefill step at most, for our engine's methods (the serve setting `max_prefill_tokens`)
+    max_prefill_tokens: int = SchedulerConfig.max_prefill_tokens
 
     @property
     def model(self) -> Path:
@@ -90,6 +93,8 @@ class BenchConfig:
             bad("--max-tokens", ">= 1", self.max_tokens)
         if self.pool_factor is not None and self.pool_factor < 1:
             bad("--pool-factor", ">= 1", self.pool_factor)
+        if self.max_prefill_tokens < 1:
+            bad("--max-prefill-tokens", ">= 1", self.max_prefill_tokens)
         if self.repeats < 1:
             bad("--repeats", ">= 1", self.repeats)
         if self.interleave not in INTERLEAVE:
@@ -123,4 +128,4 @@ class BenchConfig:
 
 # The fields `exspec bench`'s own flags set, one flag each (`--x-y` sets `x_y`; an absent flag leaves the default
 # above): the command line maps its options onto BenchConfig with this list, not field by field.
-OPTIONS = tuple(f.name for f in fields(BenchConfig) if f.name not in ("engine", "calibrate"))  # bench flags
+OPTIONS = tuple(f.name for f in fields(BenchConfig) if f.name not in ("engine", "calibrate", "max_prefill_tokens"))  # bench flags

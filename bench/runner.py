@@ -318,7 +318,7 @@ class Bench:
         """`exspec` passes no `speculation`: it measures the scheduler's default policy, whatever it is."""
         k = self._k(method)
         fields = dict(max_batch_size=b, pool_size=self._pool_size(method, b), max_waiting=10**9,
-                      num_speculative_tokens=k)
+                      num_speculative_tokens=k, max_prefill_tokens=self.config.max_prefill_tokens)
         if _base(method) in ("exspec-fixed", "exspec-mixed"):
             fields.update(speculation="fixed")  # exspec-mixed's force_mixed is an engine setting
         return SchedulerConfig(**fields)

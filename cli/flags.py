@@ -7,7 +7,7 @@ import argparse
 
 from exspec.cli.settings import DTYPES, SPECULATION_MODES, Settings, attention_backends, load_settings
 from exspec.engine.config import ATTENTION_DEFAULT, KV_MEMORY_DEFAULT, MAX_SPECULATIVE_TOKENS
-from exspec.scheduler.types import POOL_FACTOR
+from exspec.scheduler.types import POOL_FACTOR, SchedulerConfig
 
 
 def _default(field: str):
@@ -60,6 +60,10 @@ FLAGS = {
                        "the KV blocks free bound them too"),
     "max_waiting": ("N", f"requests queued beyond the pool before the server answers 429 "
                          f"(default {_default('max_waiting')})"),
+    "max_prefill_tokens": ("N", "tokens (rows x width, padding included) of one prefill step at most; longer "
+                                "prompts are prefilled in chunks, and while sequences decode a chunk is also cut to "
+                                f"about {SchedulerConfig.max_prefill_chunk_s} s (default "
+                                f"{_default('max_prefill_tokens')}; vLLM's max_num_batched_tokens plays this part)"),
     "host": ("HOST", "address to listen on (default 127.0.0.1)"),
     "port": ("PORT", "port to listen on (default 8000)"),
     "api_key": ("KEY", "require 'Authorization: Bearer KEY' on /v1/* (default: no key)"),
@@ -81,7 +85,7 @@ FLAGS = {
 ENGINE_FIELDS = (
     "model", "draft_model", "demo", "device", "dtype", "max_model_len", "num_speculative_tokens", "speculation",
     "max_batch_size", "pool_size", "attention_backend", "kv_cache_memory", "gemm",
-    "compile", "compile_mode",
+    "compile", "compile_mode", "max_prefill_tokens",
 )
 
 

@@ -67,6 +67,8 @@ class Settings(BaseSettings):
     max_batch_size: int = Field(default=SchedulerConfig.max_batch_size, ge=1, le=4096)  # B: sequences per step
     pool_size: int | None = Field(default=None, ge=1, le=65536)  # W: live sequences (KV slots); default_pool_size(B)
     max_waiting: int = Field(default=SchedulerConfig.max_waiting, ge=1)  # queued beyond this: the server's 429
+    # tokens (rows x width, padding included) of one prefill step at most; longer prompts are chunked
+    max_prefill_tokens: int = Field(default=SchedulerConfig.max_prefill_tokens, ge=1, le=1 << 20)
     # the server
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
@@ -260,6 +262,7 @@ def resolve(
         max_batch_size=settings.max_batch_size,
         pool_size=pool,
         max_waiting=max_waiting if max_waiting is not None else settings.max_waiting,
+        max_prefill_tokens=settings.max_prefill_tokens,
         num_speculative_tokens=k,
         speculation=settings.speculation,
     )

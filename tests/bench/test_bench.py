@@ -506,6 +506,9 @@ def test_the_resolved_engine_config_reaches_every_engine_method(pair, monkeypatc
         assert built.pop() == replace(engine, draft_model=None if k == 0 else draft, max_num_speculative_tokens=k,
                                       max_num_seqs=bench._pool_size(method, b), max_model_len=bench.max_model_len,
                                       force_mixed=method == "exspec-mixed")
+    # the scheduler of every engine method takes the prefill step's token bound (--max-prefill-tokens)
+    bench.config = replace(bench.config, max_prefill_tokens=48)
+    assert {bench._scheduler_config(m, 2).max_prefill_tokens for m in ("target-ar", "exspec-fixed", "exspec")} == {48}
 
 
 def test_forward_layouts_are_what_they_say_whatever_the_allocator_does():

@@ -134,5 +134,8 @@ def test_the_bench_s_own_flags_map_onto_bench_config_by_name(pair_dirs, tmp_path
                                   max_prompt_len=40, max_tokens=7, fixed_ks=(0, 3), pool_factor=2, repeats=4,
                                   chat_template=True, warmup=False, interleave="runs")
     assert default.interleave == "steps"
+    # a shared setting, not a bench option: serve's flag, the same field in every engine method's scheduler
+    _bench(pair_dirs, tmp_path, "--max-prefill-tokens", "64")
+    assert recorded[2] == replace(default, max_prefill_tokens=64)
     assert set(OPTIONS) == {"methods", "batch_sizes", "num_prompts", "max_prompt_len", "max_tokens", "fixed_ks",
                             "pool_factor", "repeats", "chat_template", "warmup", "interleave"}

@@ -36,6 +36,19 @@ def test_max_model_len_defaults_to_the_smaller_limit_of_the_pair(tmp_path):
     assert cfg.engine.max_num_seqs == cfg.scheduler.pool_size == 32
 
 
+def test_max_prefill_tokens_reaches_the_scheduler_from_its_flag_or_variable(tmp_path, monkeypatch):
+    from exspec.scheduler import SchedulerConfig
+
+    target = _model(tmp_path / "t", max_position_embeddings=1024)
+    assert resolve(Settings(), target, None).scheduler.max_prefill_tokens == SchedulerConfig.max_prefill_tokens
+    assert resolve(Settings(max_prefill_tokens=2048), target, None).scheduler.max_prefill_tokens == 2048
+    monkeypatch.setenv("EXSPEC_MAX_PREFILL_TOKENS", "4096")
+    assert resolve(load_settings({}), target, None).scheduler.max_prefill_tokens == 4096
+    for bad in ("0", "-1", str((1 << 20) + 1), "many"):
+        with pytest.raises(ConfigError, match="--max-prefill-tokens"):
+            load_settings({"max_prefill_tokens": bad})
+
+
 def test_a_length_above_the_limit_names_the_limit(tmp_path):
     target = _model(tmp_path / "t", max_position_embeddings=1024)
     draft = _model(tmp_path / "d", max_position_embeddings=256)
