@@ -9,7 +9,8 @@ times faster. This script, one process:
    engine/gguf.py); float32 (the draft imitates the float32 target's greedy choices, as the engine runs it here);
 2. held-out: the build's 16 held-out SpecBench prompts, greedy (`demo.corpus.imitation_prompts`, the same split);
 3. training data: `--prompts` held-in prompts (SpecBench first turns, then stdlib docs questions), each continued
-   greedily once and `--samples` more times sampled at `--temperature` (diversity), keeping the target's top-k
+   greedily once and `--samples` more times sampled at `--temperature` (diversity; no round starts after
+   `--gen-budget-s`), keeping the target's top-k
    log-probabilities at every generated token (`demo.imitate.target_continuations`);
 4. one draft per `--variants` entry (`trained`: the build's recipe, its embedding trained; `frozen`: the embedding
    stays the projection of the target's, so only the layers, 1.7 M parameters for the build's shape, need shipping),
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--gen-batch", type=int, default=256)
     p.add_argument("--topk", type=int, default=32)
+    p.add_argument("--gen-budget-s", type=float, default=180.0, help="no further sampled round starts after this")
     p.add_argument("--variants", default="trained,frozen")
     p.add_argument("--steps", type=int, default=6000)
     p.add_argument("--batch-size", type=int, default=64)
@@ -183,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     heldout = target_continuations(target, encode(heldout_texts), 48, eos, pad, 1, a.gen_batch, False)
     train_ids = encode(train_texts)
     sets = [target_continuations(target, train_ids, a.new_tokens, eos, pad, a.topk, a.gen_batch, False)]
-    for _ in range(a.samples):
+    for i in range(a.samples):
+        if time.perf_counter() - t > a.gen_budget_s:
+            log(f"generation past its budget ({a.gen_budget_s} s): {i} of {a.samples} sampled rounds")
+            break
         sets.append(target_continuations(target, train_ids, a.new_tokens, eos, pad, a.topk, a.gen_batch, False,
                                          temperature=a.temperature))
     data = _merge(sets)
