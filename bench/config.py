@@ -128,4 +128,5 @@ class BenchConfig:
 
 # The fields `exspec bench`'s own flags set, one flag each (`--x-y` sets `x_y`; an absent flag leaves the default
 # above): the command line maps its options onto BenchConfig with this list, not field by field.
-OPTIONS = tuple(f.name for f in fields(BenchConfig) if f.name not in ("engine", "calibrate", "max_prefill_tokens"))  # bench flags
+# `calibrate` and `max_prefill_tokens` are shared settings (serve's flags), not the bench's own.
+OPTIONS = tuple(f.name for f in fields(BenchConfig) if f.name not in ("engine", "calibrate", "max_prefill_tokens"))

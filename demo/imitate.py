@@ -88,8 +88,8 @@ def target_continuations(target, prompts: list[list[int]], new_tokens: int, eos_
     from tqdm.auto import tqdm
     from transformers import GenerationConfig
 
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {
-        "do_sample": False}
+    sampling = ({"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0
+                else {"do_sample": False})
     config = GenerationConfig(**sampling, max_new_tokens=new_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
                               output_logits=True, return_dict_in_generate=True)
     device = next(target.parameters()).device
