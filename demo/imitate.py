@@ -156,16 +156,20 @@ def soft_target_loss(draft, ids, mask, where, top_ids, top_lp):
 
 
 def distill_draft(draft, data: ContinuationSet, *, steps: int, batch_size: int, lr: float, warmup: int,
-                  pad_id: int, seed: int, progress: bool, threads=None) -> list[float]:
-    """Train the draft for `steps` AdamW steps on random batches of `data` (soft_target_loss); learning rate:
-    linear warm-up, cosine decay to lr / 10. Returns the loss per step."""
+                  pad_id: int, seed: int, progress: bool, threads=None, after_step=None) -> list[float]:
+    """Train the draft's parameters that require gradients for `steps` AdamW steps on random batches of `data`
+    (soft_target_loss), on the draft's device; learning rate: linear warm-up, cosine decay to lr / 10.
+    `after_step(step, loss)` (steps counted from 1), if given, runs after each step; True stops the training.
+    Returns the loss per step."""
     import torch
     from tqdm.auto import tqdm
 
     from exspec.demo.threads import ThreadTuner
 
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(draft.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    device = params[0].device
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     threads = threads or ThreadTuner(1)
     draft.train()
     log: list[float] = []
@@ -178,27 +182,31 @@ def distill_draft(draft, data: ContinuationSet, *, steps: int, batch_size: int, 
             for g in opt.param_groups:
                 g["lr"] = rate
             rows = torch.randint(0, n, (min(batch_size, n),), generator=gen).tolist()
-            loss = soft_target_loss(draft, *_batch(data, rows, pad_id))
+            loss = soft_target_loss(draft, *(t.to(device) for t in _batch(data, rows, pad_id)))
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
             log.append(round(loss.item(), 4))
         bar.set_postfix(loss=f"{log[-1]:.3f}", threads=threads.current)
+        if after_step is not None and after_step(step + 1, log[-1]):
+            break
     bar.close()
     draft.eval()
     return log
 
 
 def agreement(draft, data: ContinuationSet, batch_size: int = 8, pad_id: int = 0) -> float:
-    """Fraction of continuation positions where the draft's top-1 equals the token the target chose."""
+    """Fraction of continuation positions where the draft's top-1 equals the token the target chose (run on the
+    draft's device)."""
     import torch
 
     agree = total = 0
+    device = next(draft.parameters()).device
     with torch.inference_mode():
         for start in range(0, len(data.sequences), batch_size):
             rows = list(range(start, min(start + batch_size, len(data.sequences))))
-            ids, mask, where, top_ids, _ = _batch(data, rows, pad_id)
+            ids, mask, where, top_ids, _ = (t.to(device) for t in _batch(data, rows, pad_id))
             hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state  # [b, T, H]
             guess = draft.lm_head(hidden[where[:, 0], where[:, 1]]).argmax(-1)  # [N]
             agree += (guess == top_ids[:, 0]).sum().item()

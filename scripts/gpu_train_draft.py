@@ -14,8 +14,8 @@ times faster. This script, one process:
    log-probabilities at every generated token (`demo.imitate.target_continuations`);
 4. one draft per `--variants` entry (`trained`: the build's recipe, its embedding trained; `frozen`: the embedding
    stays the projection of the target's, so only the layers, 1.7 M parameters for the build's shape, need shipping),
-   `--steps` AdamW steps of `--batch-size` sequences on `demo.imitate.soft_target_loss`, within `--train-budget-s`
-   each; held-out top-1 agreement at each of `--evals`;
+   `--steps` AdamW steps of `--batch-size` sequences by the build's own `demo.imitate.distill_draft`, within
+   `--train-budget-s` each; held-out top-1 agreement (`demo.imitate.agreement`) at each of `--evals`;
 5. into `--out`: `result.json` (agreement curves, tokens, seconds), and per variant the draft's weights in bfloat16
    (`frozen`: its non-embedding tensors only), files under 15 MiB (the device tool brings back 16 MiB a file).
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from pathlib import Path
 import torch
 
 from exspec.demo.corpus import imitation_prompts
-from exspec.demo.imitate import ContinuationSet, DraftShape, _batch, new_draft, soft_target_loss, target_continuations
+from exspec.demo.imitate import ContinuationSet, DraftShape, agreement, distill_draft, new_draft, target_continuations
 from exspec.demo.recipe import IMITATION_RECIPES
 from exspec.demo.tokenizer import chat_ids
 
@@ -48,55 +47,30 @@ def _merge(sets: list[ContinuationSet]) -> ContinuationSet:
                              ("sequences", "prompt_lens", "top_ids", "top_logprobs")))
 
 
-def _agreement(draft, data: ContinuationSet, pad: int, device) -> float:
-    agree = total = 0
-    draft.eval()
-    with torch.inference_mode():
-        for start in range(0, len(data.sequences), 16):
-            rows = list(range(start, min(start + 16, len(data.sequences))))
-            ids, mask, where, top_ids, _ = (t.to(device) for t in _batch(data, rows, pad))
-            hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state  # [b, T, H]
-            guess = draft.lm_head(hidden[where[:, 0], where[:, 1]]).argmax(-1)  # [N]
-            agree += (guess == top_ids[:, 0]).sum().item()
-            total += guess.numel()
-    draft.train()
-    return agree / max(total, 1)
-
-
 def train(variant: str, target, data: ContinuationSet, heldout: ContinuationSet, a, pad: int, log) -> tuple:
-    """One draft of the build's shape: (draft, curve [(step, seconds, loss, agreement)])."""
+    """One draft of the build's shape, trained by the build's `distill_draft` on the GPU: (draft, curve [(step,
+    seconds, loss, held-out agreement)] at each of --evals, and where --train-budget-s stopped it)."""
     s = IMITATION_RECIPES["smollm2"].draft if not a.tiny else a.tiny_shape
     torch.manual_seed(a.seed)
     draft = new_draft(target.config, DraftShape(s.hidden, s.layers, s.intermediate, s.heads, s.kv_heads),
                       target.model.embed_tokens.weight.detach().float().cpu()).to(a.device)
     if variant == "frozen":
         draft.model.embed_tokens.weight.requires_grad_(False)
-    params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    gen = torch.Generator().manual_seed(a.seed)
-    evals, curve, n, t0 = set(a.evals) | {a.steps}, [], len(data.sequences), time.perf_counter()
-    draft.train()
-    for step in range(a.steps):
-        warm = a.warmup
-        t = (step - warm) / max(1, a.steps - warm)
-        rate = a.lr * (step + 1) / warm if step < warm else a.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * t)))
-        for g in opt.param_groups:
-            g["lr"] = rate
-        rows = torch.randint(0, n, (min(a.batch_size, n),), generator=gen).tolist()
-        loss = soft_target_loss(draft, *(x.to(a.device) for x in _batch(data, rows, pad)))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    evals, curve, t0 = set(a.evals) | {a.steps}, [], time.perf_counter()
+
+    def after_step(step: int, loss: float) -> bool:
         over = time.perf_counter() - t0 > a.train_budget_s
-        if step + 1 in evals or over:
-            point = (step + 1, round(time.perf_counter() - t0, 1), round(loss.item(), 4),
-                     round(_agreement(draft, heldout, pad, a.device), 4))
-            curve.append(point)
-            log(f"{variant}: step {point[0]} {point[1]} s loss {point[2]} held-out agreement {point[3]:.1%}")
-        if over:
-            log(f"{variant}: stopped at its budget ({a.train_budget_s} s)")
-            break
+        if step in evals or over:
+            draft.eval()
+            held = round(agreement(draft, heldout, 16, pad), 4)
+            curve.append((step, round(time.perf_counter() - t0, 1), loss, held))
+            draft.train()
+            log(f"{variant}: step {step} {curve[-1][1]} s loss {loss} held-out agreement {curve[-1][3]:.1%}"
+                + (f" (stopped at its budget, {a.train_budget_s} s)" if over else ""))
+        return over
+
+    distill_draft(draft, data, steps=a.steps, batch_size=a.batch_size, lr=a.lr, warmup=a.warmup, pad_id=pad,
+                  seed=a.seed, progress=False, after_step=after_step)
     return draft, curve
 
 
@@ -195,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = sum(len(q) - p for q, p in zip(data.sequences, data.prompt_lens))
     result["seconds"]["continuations"] = round(time.perf_counter() - t, 1)
     result["train_prompts"], result["train_tokens"] = len(train_texts), tokens
+    result["train_sequences"] = len(data.sequences)
     result["heldout_positions"] = sum(len(q) - p for q, p in zip(heldout.sequences, heldout.prompt_lens))
     log(f"{len(data.sequences)} continuations, {tokens} tokens in {result['seconds']['continuations']} s")
     for variant in variants:

@@ -32,6 +32,7 @@ def test_trains_both_variants_and_writes_their_weights_in_files_the_device_tool_
                         "--batch-size", "4", "--evals", "2", "--tiny"]) == 0
     result = json.loads((out / "result.json").read_text())
     assert result["train_prompts"] == 6 and result["train_tokens"] > 6  # greedy + one sampled continuation each
+    assert result["train_sequences"] == 12
     assert result["heldout_positions"] > 0
     for variant in ("trained", "frozen"):
         curve = result[variant]["curve"]
@@ -52,3 +53,14 @@ def test_trains_both_variants_and_writes_their_weights_in_files_the_device_tool_
         else:
             assert "model.embed_tokens.weight" not in tensors
         assert any(".layers.0." in k for k in tensors)
+
+
+def test_training_stops_at_its_budget_with_a_measured_point(tmp_path):
+    target, _ = build_pair(tmp_path / "pair", "llama", draft_same=True)
+    out = tmp_path / "out"
+    assert _script().main(["--target", str(target), "--out", str(out), "--device", "cpu", "--prompts", "4",
+                           "--samples", "0", "--new-tokens", "4", "--gen-batch", "4", "--steps", "50", "--warmup", "1",
+                           "--batch-size", "2", "--evals", "10", "--variants", "frozen", "--train-budget-s", "0",
+                           "--tiny"]) == 0
+    result = json.loads((out / "result.json").read_text())
+    assert [c[0] for c in result["frozen"]["curve"]] == [1] and "trained" not in result  # stopped after step 1
