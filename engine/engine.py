@@ -20,7 +20,9 @@ from exspec.engine.sampling import (
     accept,
     accept_greedy,
     process_probs,
+    read_logprobs,
     sample_from_probs,
+    token_logprobs,
 )
 from exspec.engine.sequence import SeqState
 from exspec.engine.static_forward import StaticForward, bucket_for, graph_memory_bytes, static_buckets, static_widths
@@ -69,6 +71,12 @@ class StepPlan:
 class Draft:
     tokens: torch.Tensor  # [B, k] long: proposed tokens d_1..d_k
     probs: torch.Tensor | None  # [B, k, V]: the distributions q they were drawn from; None if all greedy
+
+
+def _logprobs_width(states) -> int | None:
+    """The most alternatives a row of the batch asks for, or None when no row asks for logprobs."""
+    asked = [st.params.logprobs for st in states if st.params.logprobs is not None]
+    return max(asked) if asked else None
 
 
 class SpecEngine:
@@ -198,6 +206,8 @@ class SpecEngine:
         """Raise InvalidRequestError if a parameter cannot reach a tensor of this engine."""
         if params.top_k > self.vocab_size:
             raise InvalidRequestError(f"top_k must be in [0, {self.vocab_size}] (0: off), got {params.top_k}")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise InvalidRequestError(f"logprobs must be in [0, {self.vocab_size}], got {params.logprobs}")
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise InvalidRequestError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
@@ -281,23 +291,31 @@ class SpecEngine:
         plan = self._fused_plan(batch, states) if draft_logits is not None else None
         if plan is not None:
             return self._fused_prefill(plan, chunks, tokens, starts, last, draft_logits, t0, t1)
-        logits = self.target.extend(tokens, starts, slots, select=last)  # [B, 1, V]
+        raw = self.target.extend(tokens, starts, slots, select=last)  # [B, 1, V]
         rows = self._row_params(states, slot_t)
         positions = to_device([st.prompt_len for st in states], dev)[:, None]  # [B, 1]
-        logits = self._suppress_stops(logits, states, [0] * len(states))
+        logits = self._suppress_stops(raw, states, [0] * len(states))
         first = self._sample(logits, rows, positions)[:, 0]  # [B]
         self.token_buf[slot_t, positions[:, 0]] = first
         t2 = self._clock.mark()
-        first_ids = first.tolist()  # the one host sync
+        width = _logprobs_width(states)
+        if width is None:
+            packed = first[:, None].tolist()  # [B, 1]: the one host sync
+        else:  # the tokens and their logprobs in one read
+            lp = token_logprobs(raw, first[:, None], width)  # [B, 1, 1 + 2 * width]
+            packed = torch.cat([first[:, None].double(), lp.flatten(1)], dim=1).tolist()  # [B, 2 + 2 * width]
         outputs = []
-        for chunk, st, tok, draft_fed in zip(chunks, states, first_ids, fed):
+        for chunk, st, row, draft_fed in zip(chunks, states, packed, fed):
             st.num_prefilled = chunk.end
             if draft_fed:
                 st.draft_len = chunk.end
             done = chunk.end == st.prompt_len
             if done:
                 st.length += 1
-            outputs.append(SeqOutput(chunk.seq_id, (tok,) if done else (), 0, 0))
+            logprobs = None
+            if done and st.params.logprobs is not None:
+                logprobs = read_logprobs(row[1:], 1, width, st.params.logprobs)
+            outputs.append(SeqOutput(chunk.seq_id, (int(row[0]),) if done else (), 0, 0, logprobs))
         return StepOutput(
             outputs=tuple(outputs),
             kind="prefill",
@@ -334,14 +352,14 @@ class SpecEngine:
         # Each row's drafts right after its chunk (rows shorter than the widest: over their padding).
         wide = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], k)], dim=1)  # [B, Q + k]
         wide.scatter_(1, last + 1 + cols[None, :k], draft.tokens)
-        logits = self.target.extend(wide, starts, list(plan.slots), select=last + cols[None, :])  # [B, k + 1, V]
-        logits = self._suppress_stops(logits, plan.states, list(plan.generated))
+        raw = self.target.extend(wide, starts, list(plan.slots), select=last + cols[None, :])  # [B, k + 1, V]
+        logits = self._suppress_stops(raw, plan.states, list(plan.generated))
         out_tokens, num_accepted = self._accept(plan, draft, logits)
         t3 = self._clock.mark()
         for chunk, st in zip(chunks, plan.states):
             st.num_prefilled = chunk.end
         # draft_s: the draft's prefill; its proposals are in verify_s with the fused forward
-        out = self._commit(plan, out_tokens, num_accepted, (t0, t1), (t1, t3))
+        out = self._commit(plan, out_tokens, num_accepted, raw, (t0, t1), (t1, t3))
         return replace(out, kind="prefill")
 
     # ------------------------------------------------------------------ speculative step
@@ -359,10 +377,11 @@ class SpecEngine:
         tc = self._clock.mark()
         draft = self._propose(plan, draft_lens) if plan.k > 0 else None
         t1 = self._clock.mark()
-        logits = self._verify(plan, draft)  # [B, k + 1, V]
+        raw = self._verify(plan, draft)  # [B, k + 1, V]
+        logits = self._suppress_stops(raw, plan.states, list(plan.generated))
         tokens, num_accepted = self._accept(plan, draft, logits)  # [B, k + 1], [B]
         t2 = self._clock.mark()
-        return self._commit(plan, tokens, num_accepted, (t0, t1), (t1, t2), (t0, tc) if caught_up else None)
+        return self._commit(plan, tokens, num_accepted, raw, (t0, t1), (t1, t2), (t0, tc) if caught_up else None)
 
     def _plan(self, batch: StepBatch) -> StepPlan:
         """Resolve the batch: each row's draft budget, its blocks for the step, the batch shape, and the per-step
@@ -514,12 +533,12 @@ class SpecEngine:
         return static
 
     def _verify(self, plan: StepPlan, draft: Draft | None) -> torch.Tensor:
-        """One target forward over [pending, d_1 .. d_k] per row: logits [B, k + 1, V]."""
+        """One target forward over [pending, d_1 .. d_k] per row: its raw logits [B, k + 1, V] (min_tokens not
+        applied)."""
         last_tok = self.token_buf[plan.slot_t, plan.len_t - 1][:, None]  # [B, 1]
         verify_in = torch.cat([last_tok, draft.tokens], dim=1) if draft is not None else last_tok  # [B, k + 1]
         starts = [n - 1 for n in plan.lengths]
-        logits = self._forward(self.target, verify_in, starts, list(plan.slots), not plan.grouped)  # [B, k + 1, V]
-        return self._suppress_stops(logits, plan.states, list(plan.generated))
+        return self._forward(self.target, verify_in, starts, list(plan.slots), not plan.grouped)  # [B, k + 1, V]
 
     def _accept(self, plan: StepPlan, draft: Draft | None, logits: torch.Tensor):
         """Accept drafts (Leviathan et al. 2023; see `sampling.accept` for the terms) and write the emitted
@@ -537,23 +556,33 @@ class SpecEngine:
         self.token_buf[plan.slot_t[:, None], cols] = tokens
         return tokens, num_accepted
 
-    def _commit(self, plan: StepPlan, tokens, num_accepted, draft_span, verify_span, catchup_span=None) -> StepOutput:
-        """The one host sync; advance each row's lengths by what it accepted. Rollback of rejected drafts is
-        not advancing: nothing is copied. The spans are (start, end) clock marks, read after the sync."""
-        packed = torch.cat([tokens, num_accepted[:, None]], dim=1).tolist()  # [B, k + 2]
-        seconds = self._clock.seconds
+    def _commit(self, plan: StepPlan, tokens, num_accepted, raw_logits, draft_span, verify_span,
+                catchup_span=None) -> StepOutput:
+        """The one host sync (the tokens, and their logprobs from the target's `raw_logits` [B, k + 1, V] where a
+        row asks for them); advance each row's lengths by what it accepted. Rollback of rejected drafts is not
+        advancing: nothing is copied. The spans are (start, end) clock marks, read after the sync."""
         k = plan.k
+        width = _logprobs_width(plan.states)
+        if width is None:
+            packed = torch.cat([tokens, num_accepted[:, None]], dim=1).tolist()  # [B, k + 2]
+        else:  # float64 holds every token id exactly: one read for both
+            lp = token_logprobs(raw_logits, tokens, width).flatten(1)  # [B, (k + 1) * (1 + 2 * width)]
+            packed = torch.cat([tokens.double(), num_accepted[:, None].double(), lp], dim=1).tolist()
+        seconds = self._clock.seconds
         outputs = []
         per_pos = [0] * k
         for sid, st, n, row, row_k in zip(plan.seq_ids, plan.states, plan.lengths, packed, plan.row_k):
-            a = row[-1]
+            a = int(row[k + 1])
             for i in range(a):
                 per_pos[i] += 1
             if k > 0:
                 # Draft KV is valid through the accepted drafts it was fed (it is never fed d_k).
                 st.draft_len = n + min(k - 1, a)
             st.length = n + a + 1
-            outputs.append(SeqOutput(sid, tuple(row[: a + 1]), row_k, a))
+            logprobs = None
+            if st.params.logprobs is not None:
+                logprobs = read_logprobs(row[k + 2 :], a + 1, width, st.params.logprobs)
+            outputs.append(SeqOutput(sid, tuple(int(t) for t in row[: a + 1]), row_k, a, logprobs))
         return StepOutput(
             outputs=tuple(outputs),
             kind="grouped" if plan.grouped else "mixed",

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from exspec.errors import InvalidRequestError
 
+MAX_LOGPROBS = 20  # alternatives a token's logprobs list at most (vLLM's default max_logprobs; OpenAI's top_logprobs)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -19,6 +21,9 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop ids are suppressed until this many tokens are generated
     use_speculation: bool = True  # False: this sequence never accepts draft tokens
     stop: tuple[str, ...] = field(default=())  # stop strings: applied by the scheduler on text
+    # None: no logprobs; n >= 0: each emitted token's log-probability under the target (its raw logits: before
+    # temperature, top-k / top-p and min_tokens, as vLLM's default "raw_logprobs") and the n most likely tokens'
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str, value: object) -> None:
@@ -36,6 +41,8 @@ class SamplingParams:
             bad("seed", "an integer in [0, 2**63)", self.seed)
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             bad("min_tokens", f"in [0, max_tokens={self.max_tokens}]", self.min_tokens)
+        if self.logprobs is not None and not (type(self.logprobs) is int and 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "non-negative integers", self.stop_token_ids)
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from exspec.engine.types import TokenLogprob
+
 _M32 = 0xFFFFFFFF
 STREAM_DRAFT = 1  # the draft's proposal at a position
 STREAM_ACCEPT = 2  # the acceptance test of the draft token at a position
@@ -148,3 +150,29 @@ def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor, allow
     target_tokens = target_logits.argmax(-1)  # [B, k + 1]
     kept = (draft_tokens == target_tokens[:, :-1]) & allow  # [B, k]
     return target_tokens, torch.cumprod(kept.long(), dim=1).sum(dim=1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> torch.Tensor:
+    """Each token's log-probability under `logits` (raw: no temperature or filters), then the n most likely ids and
+    their log-probabilities, in float64 (exact for any token id), to be read back with the step's tokens. No host sync.
+
+    logits: [B, Q, V]; tokens: [B, Q] long -> [B, Q, 1 + 2n] float64
+    """
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [B, Q, 1]
+    chosen = x.gather(-1, tokens[..., None]) - lse  # [B, Q, 1]
+    top_x, top_id = x.topk(n, dim=-1)  # [B, Q, n] each
+    return torch.cat([chosen.double(), top_id.double(), (top_x - lse).double()], dim=-1)
+
+
+def read_logprobs(values: list[float], num_tokens: int, width: int, n: int):
+    """The first `num_tokens` positions' TokenLogprob from a row of `token_logprobs` read back as a flat list
+    ([Q * (1 + 2 * width)]: the batch's `width` alternatives a position), keeping the row's own n <= width."""
+    step = 1 + 2 * width
+    out = []
+    for i in range(num_tokens):
+        base = i * step
+        ids = values[base + 1 : base + 1 + n]
+        lps = values[base + 1 + width : base + 1 + width + n]
+        out.append(TokenLogprob(values[base], tuple(zip(map(int, ids), lps))))
+    return tuple(out)

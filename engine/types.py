@@ -34,12 +34,21 @@ class StepBatch:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the target (raw logits), and the n most likely tokens'."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, log-probability), most likely first; n = the request's logprobs
+
+
+@dataclass(frozen=True)
 class SeqOutput:
     seq_id: int
     token_ids: tuple[int, ...]  # sampled this call: a + 1 after a step; the first token when a prompt
     # completes; () for a prompt chunk that does not complete it. Not cut at EOS or limits (the scheduler cuts)
     num_draft_tokens: int  # draft tokens proposed for this sequence this step
     num_accepted: int  # of those, accepted by the target
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token of token_ids, when the sequence asked for them
 
 
 @dataclass(frozen=True)

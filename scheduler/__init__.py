@@ -1,6 +1,7 @@
 """exspec scheduler: asyncio request queue feeding the EXSPEC sliding pool of same-length groups.
 
-`SamplingParams` is re-exported: what a request asks for is part of the scheduler's interface to the server.
+`SamplingParams` (with MAX_LOGPROBS) and `TokenLogprob` are re-exported: what a request asks for and what it gets
+back are part of the scheduler's interface to the server.
 The public names are imported on first use (PEP 562), so that the torch-free types.py (SchedulerConfig, whose
 defaults the command line's settings read) is imported without torch."""
 
@@ -16,6 +17,7 @@ _EXPORTS = {
     "BatchChoice": "exspec.scheduler.policy",
     "Candidate": "exspec.scheduler.policy",
     "EngineProtocol": "exspec.scheduler.core",
+    "MAX_LOGPROBS": "exspec.engine.params",
     "OfflineResult": "exspec.scheduler.offline",
     "OfflineRun": "exspec.scheduler.offline",
     "QueueFullError": "exspec.scheduler.types",
@@ -28,6 +30,7 @@ _EXPORTS = {
     "SchedulerCore": "exspec.scheduler.core",
     "SpeculationPolicy": "exspec.scheduler.policies",
     "StepStats": "exspec.scheduler.types",
+    "TokenLogprob": "exspec.engine.types",
     "choose_batch": "exspec.scheduler.policy",
     "generate_offline": "exspec.scheduler.offline",
 }
@@ -38,7 +41,8 @@ __getattr__ = lazy_exports(__name__, _EXPORTS, globals())
 
 
 if TYPE_CHECKING:
-    from exspec.engine.params import SamplingParams
+    from exspec.engine.params import MAX_LOGPROBS, SamplingParams
+    from exspec.engine.types import TokenLogprob
     from exspec.scheduler.async_scheduler import AsyncScheduler, RequestStream
     from exspec.scheduler.core import EngineProtocol, SchedulerCore
     from exspec.scheduler.offline import OfflineResult, OfflineRun, RunSummary, generate_offline

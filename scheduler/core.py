@@ -491,14 +491,16 @@ class SchedulerCore:
             first = req.num_output_tokens == 0
             text, stopped, n = req.add_tokens(kept, reason is not None)
             kept = kept[:n]  # a stop string ends the output at the token that completes it
+            logprobs = so.logprobs[: len(kept)] if so.logprobs is not None else None  # kept is a prefix
             num_kept += len(kept)
             if stopped or reason is not None:
-                deltas.append(self._finish(req, "stop" if stopped else reason, None, kept, text))
+                deltas.append(self._finish(req, "stop" if stopped else reason, None, kept, text, logprobs))
             else:
-                deltas.append((req, self._output(req, kept, text, first)))
+                deltas.append((req, self._output(req, kept, text, first, logprobs)))
         return deltas, num_kept
 
-    def _finish(self, req: Request, reason: str, error: str | None, token_ids=(), text: str = "") -> Delta:
+    def _finish(self, req: Request, reason: str, error: str | None, token_ids=(), text: str = "",
+                logprobs=None) -> Delta:
         if req.seq_id is not None:
             self.engine.free(req.seq_id)
             self._by_seq.pop(req.seq_id, None)
@@ -512,9 +514,9 @@ class SchedulerCore:
             text = req.text[req.sent_chars :]
             req.sent_chars = len(req.text)
         first = req.num_output_tokens == len(token_ids)
-        return req, self._output(req, tuple(token_ids), text, first)
+        return req, self._output(req, tuple(token_ids), text, first, logprobs)
 
-    def _output(self, req: Request, token_ids, text: str, first: bool) -> RequestOutput:
+    def _output(self, req: Request, token_ids, text: str, first: bool, logprobs=None) -> RequestOutput:
         queue_time = None
         if first and req.first_scheduled_time is not None:
             queue_time = req.first_scheduled_time - req.arrival_time
@@ -530,6 +532,7 @@ class SchedulerCore:
             num_draft_tokens=req.num_draft_tokens,
             num_accepted_tokens=req.num_accepted_tokens,
             queue_time_s=queue_time,
+            logprobs=logprobs,
         )
 
     def _stats(self, out: StepOutput, schedule_s: float, prompt_tokens: int, num_tokens: int) -> StepStats:

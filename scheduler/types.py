@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from exspec.engine.config import check_num_speculative_tokens
+from exspec.engine.types import TokenLogprob
 from exspec.errors import ExspecError, QueueFullError, SchedulerClosedError  # noqa: F401 (re-exported)
 from exspec.scheduler import policies
 
@@ -88,13 +89,18 @@ class RequestOutput:
     num_draft_tokens: int = 0  # draft tokens proposed for this request so far
     num_accepted_tokens: int = 0  # of those, accepted so far
     queue_time_s: float | None = None  # on the first delta: seconds from submit() to first scheduled
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token of token_ids, when the request asked for them
 
 
 def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    """`then` following `first` as one delta: tokens and text joined, the rest `then`'s (the totals so far, the
+    """`then` following `first` as one delta: tokens, their logprobs and text joined, the rest `then`'s (the totals so far, the
     finish), queue_time_s the first delta's."""
+    logprobs = then.logprobs
+    if first.logprobs is not None:
+        logprobs = first.logprobs + (then.logprobs or ())
     return replace(then, token_ids=first.token_ids + then.token_ids, text=first.text + then.text,
-                   queue_time_s=first.queue_time_s if first.queue_time_s is not None else then.queue_time_s)
+                   queue_time_s=first.queue_time_s if first.queue_time_s is not None else then.queue_time_s,
+                   logprobs=logprobs)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ after these checks nothing a request carries can overflow a tensor or slow the s
 
 from __future__ import annotations
 
+from exspec.scheduler import MAX_LOGPROBS
 from exspec.server.config import ServerConfig
 from exspec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
@@ -41,6 +42,23 @@ def check_sampling(req: CompletionRequest | ChatCompletionRequest, config: Serve
     out = [t for t in ids if not 0 <= t < vocab_size]
     if out:
         raise _bad("stop_token_ids", f"ids in [0, {vocab_size})", out[:5])
+
+
+def check_logprobs(req: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> None:
+    """logprobs (completions) or top_logprobs (chat): alternatives per token, at most MAX_LOGPROBS (and the
+    vocabulary)."""
+    most = min(MAX_LOGPROBS, vocab_size)
+    if isinstance(req, CompletionRequest):
+        if req.logprobs is not None and req.logprobs > most:
+            raise _bad("logprobs", f"in [0, {most}]", req.logprobs)
+        if req.logprobs is not None and req.echo:
+            raise APIError(400, "echo with logprobs (the prompt's logprobs) is not supported yet by exspec",
+                           param="echo", code="unsupported_parameter")
+        return
+    if req.top_logprobs is not None and req.top_logprobs > most:
+        raise _bad("top_logprobs", f"in [0, {most}]", req.top_logprobs)
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
 
 def check_min_tokens(req, max_tokens: int) -> None:

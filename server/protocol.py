@@ -4,7 +4,7 @@ Requests ignore unknown fields (`extra="ignore"`), so clients written for OpenAI
 Every field is bounded here as far as a static bound goes: integers within int64 (except `seed`, any
 integer, reduced by the server), no NaN or infinity, no lone UTF-16 surrogates in any string. Bounds that
 depend on the model or on the server's settings (vocabulary, `--max-n`, ...) are checked by
-`server/limits.py`. Fields exspec cannot honour (logprobs, penalties, tools, ...) are accepted by the model
+`server/limits.py`. Fields exspec cannot honour (penalties, tools, ...) are accepted by the model
 and refused with a 400 by `unsupported_fields()`, naming the field, rather than silently ignored.
 """
 
@@ -97,6 +97,10 @@ class _SamplingFields(_Request):
     logit_bias: dict[Text, float] | None = None
     user: Text | None = None
 
+    def engine_logprobs(self) -> int | None:
+        """The engine's `logprobs`: None for none, else the alternatives per token."""
+        raise NotImplementedError
+
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -124,14 +128,15 @@ class CompletionRequest(_SamplingFields):
     prompt: Prompt
     max_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)  # default 16, as OpenAI
     echo: bool = False
-    logprobs: Count | None = None
+    logprobs: Count | None = None  # alternatives per token (the chosen token's logprob always); bound: server/limits.py
     best_of: int | None = Field(default=None, ge=1, le=INT64_MAX)
     suffix: Text | None = None
 
+    def engine_logprobs(self) -> int | None:
+        return self.logprobs
+
     def unsupported_fields(self) -> list[str]:
         bad = self._common_unsupported()
-        if self.logprobs is not None:
-            bad.append("logprobs")
         if self.best_of is not None and self.best_of != self.n:
             bad.append("best_of")
         if self.suffix:
@@ -170,7 +175,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)  # takes precedence
     logprobs: bool | None = None
-    top_logprobs: Count | None = None
+    top_logprobs: Count | None = None  # alternatives per token, with logprobs: true; bound: server/limits.py
     # Not supported: refused with a 400 unless they mean "nothing" (see unsupported_fields).
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -178,12 +183,11 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: Any = None
     response_format: Any = None
 
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def unsupported_fields(self) -> list[str]:
         bad = self._common_unsupported()
-        if self.logprobs:
-            bad.append("logprobs")
-        if self.top_logprobs:
-            bad.append("top_logprobs")
         if self.tools:
             bad.append("tools")
         if self.tool_choice not in _NO_TOOL:
@@ -211,10 +215,35 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
 
+class CompletionLogprobs(BaseModel):
+    """The completions API's (legacy) logprobs of a choice or a chunk: one entry per token in each list."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    # the n most likely tokens and the chosen one (vLLM's convention), keyed by text: ids that decode alike share
+    # one entry, the more likely one's
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]  # each token's offset in the choice's text, token texts counted as decoded alone
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None  # the token text's UTF-8 bytes
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = _omitted_if_none()  # only with return_token_ids
     prompt_token_ids: list[int] | None = _omitted_if_none()  # only with return_token_ids
@@ -237,7 +266,7 @@ class ChatResponseMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = _omitted_if_none()
     prompt_token_ids: list[int] | None = _omitted_if_none()
@@ -260,7 +289,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = _omitted_if_none()
 

@@ -16,11 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from exspec.scheduler import SamplingParams
+from exspec.scheduler import SamplingParams, TokenLogprob
 from exspec.scheduler.types import QueueFullError, RequestOutput, SchedulerClosedError
 from exspec.server import limits
 from exspec.server.config import ServerConfig
 from exspec.server.lifecycle import Lifecycle, ServerKilled
+from exspec.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs, text_length
 from exspec.server.metrics import RequestTimer, ServerMetrics
 from exspec.server.protocol import (
     APIError,
@@ -62,10 +63,14 @@ class _Choice:
     completion_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, where the request asked for them
+    text_offset: int = 0  # a completions stream's: the text_offset of the next token
 
     def add(self, out: RequestOutput) -> None:
         self.text.append(out.text)
         self.token_ids.extend(out.token_ids)
+        if out.logprobs:
+            self.logprobs.extend(out.logprobs)
         self.completion_tokens = out.completion_tokens
         if out.finished:
             self.finish_reason = out.finish_reason
@@ -204,6 +209,7 @@ class OpenAIServing:
         self.max_model_len = scheduler.max_model_len
         self.vocab_size = scheduler.vocab_size
         self.token_chars = limits.max_token_chars(self.tokenizer)
+        self.token_texts = TokenTexts(self.tokenizer)  # logprobs' token strings
         self.background: set[asyncio.Task] = set()  # reapers of aborted requests
         self._pool = ThreadPoolExecutor(OFFLOAD_THREADS, thread_name_prefix="exspec-tokenize")
 
@@ -236,8 +242,11 @@ class OpenAIServing:
             if req.echo:
                 text = prompt_texts[c.index // req.n] + text
             ids = c.token_ids if req.return_token_ids else None
-            out.append(CompletionChoice(index=c.index, text=text, finish_reason=c.finish_reason, token_ids=ids,
-                                        prompt_token_ids=c.prompt_ids if req.return_token_ids else None))
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = completion_logprobs(c.token_ids, c.logprobs, self.token_texts)
+            out.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
+                                        token_ids=ids, prompt_token_ids=c.prompt_ids if req.return_token_ids else None))
         body = CompletionResponse(id=gen.base_id, model=self.model_name, choices=out, usage=gen.usage(prompts))
         return JSONResponse(body.model_dump())
 
@@ -264,6 +273,7 @@ class OpenAIServing:
             ChatChoice(
                 index=c.index,
                 message=ChatResponseMessage(content="".join(c.text)),
+                logprobs=chat_logprobs(c.token_ids, c.logprobs, self.token_texts) if req.logprobs else None,
                 finish_reason=c.finish_reason,
                 token_ids=c.token_ids if req.return_token_ids else None,
                 prompt_token_ids=c.prompt_ids if req.return_token_ids else None,
@@ -283,6 +293,7 @@ class OpenAIServing:
             raise APIError(400, f"{unsupported[0]} is not supported yet by exspec", param=unsupported[0],
                            code="unsupported_parameter")
         limits.check_sampling(req, self.config, self.vocab_size)
+        limits.check_logprobs(req, self.vocab_size)
 
     async def _off_loop(self, size: int, fn: Callable, *args):
         """fn(*args), in the thread pool when `size` (characters or ids) is large, else right here."""
@@ -374,6 +385,7 @@ class OpenAIServing:
             min_tokens=req.min_tokens,
             use_speculation=req.use_speculation,
             stop=req.stop_strings(),
+            logprobs=req.engine_logprobs(),
         )
 
     def _submit(self, req, prompts: list[list[int]], max_tokens: int, base_id: str, arrival: float) -> _Generation:
@@ -450,7 +462,7 @@ class OpenAIServing:
                     if out.finished and out.finish_reason == "error":
                         failed = out.error
                         break
-                    if out.text or out.finished or (req.return_token_ids and out.token_ids):
+                    if out.text or out.finished or (out.token_ids and (req.return_token_ids or out.logprobs)):
                         yield render(choice, out)
             if failed is not None:
                 yield _sse_error(self._generation_failed(gen, failed))
@@ -475,7 +487,12 @@ class OpenAIServing:
         def render(choice: _Choice, out: RequestOutput) -> str:
             ids = list(out.token_ids) if req.return_token_ids else None
             finish = out.finish_reason if out.finished else None
-            return event([CompletionChoice(index=choice.index, text=out.text, finish_reason=finish, token_ids=ids)])
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = completion_logprobs(out.token_ids, out.logprobs or (), self.token_texts, choice.text_offset)
+                choice.text_offset += text_length(out.token_ids, self.token_texts)
+            return event([CompletionChoice(index=choice.index, text=out.text, logprobs=logprobs, finish_reason=finish,
+                                           token_ids=ids)])
 
         opening = []
         if req.echo:
@@ -494,7 +511,9 @@ class OpenAIServing:
             delta = DeltaMessage(content=out.text) if out.text else DeltaMessage()
             ids = list(out.token_ids) if req.return_token_ids else None
             finish = out.finish_reason if out.finished else None
-            return event([ChatChunkChoice(index=choice.index, delta=delta, finish_reason=finish, token_ids=ids)])
+            logprobs = chat_logprobs(out.token_ids, out.logprobs or (), self.token_texts) if req.logprobs else None
+            return event([ChatChunkChoice(index=choice.index, delta=delta, logprobs=logprobs, finish_reason=finish,
+                                          token_ids=ids)])
 
         # The first chunk of each choice carries the role, as OpenAI's do.
         opening = [event([ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))])

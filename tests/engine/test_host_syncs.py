@@ -7,6 +7,7 @@ _local_scalar_dense (`.item()`)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tests.support.driver import admit, prefill, step
 from tests.support.models import random_prompts
@@ -32,11 +33,12 @@ class WaitingOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_request_s_life_writes_no_number_from_the_host_and_reads_no_item(models):
-    """Admission, prefill, decode steps and release: the step's one read (`.tolist()` of the sampled tokens, not a
-    dispatched op) is the only wait the host would make."""
+@pytest.mark.parametrize("logprobs", [None, 3])
+def test_a_request_s_life_writes_no_number_from_the_host_and_reads_no_item(models, logprobs):
+    """Admission, prefill, decode steps and release: the step's one read (`.tolist()` of the sampled tokens, with
+    their logprobs where asked for; not a dispatched op) is the only wait the host would make."""
     engine = models.engine("llama", "noisy")
-    params = SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9, top_k=5, seed=3)
+    params = SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9, top_k=5, seed=3, logprobs=logprobs)
     watch = WaitingOps()
     with watch:
         seqs = [admit(engine, p, params) for p in random_prompts([6, 9, 7], seed=5)]

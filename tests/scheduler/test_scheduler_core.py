@@ -528,3 +528,50 @@ def test_a_same_length_group_runs_alone_only_when_it_fills_the_batch_by_default(
     first = eng.batches[0]
     assert len(first.seq_ids) == rows
     run_all(core)
+
+
+def _logprobs_by_request(deltas):
+    """request id -> (tokens, logprobs) joined over its deltas; logprobs None where every delta had None."""
+    by: dict[str, tuple[list, list | None]] = {}
+    for _, d in deltas:
+        ids, lps = by.setdefault(d.request_id, ([], None))
+        ids.extend(d.token_ids)
+        if d.logprobs is not None:
+            lps = (lps or []) + list(d.logprobs)
+        else:
+            assert not d.token_ids or lps is None, "a request's deltas either all carry logprobs or none does"
+        by[d.request_id] = (ids, lps)
+    return by
+
+
+@pytest.mark.parametrize("stop", [(), ("\x10",)])
+def test_logprobs_follow_the_kept_tokens(stop):
+    """Each kept token keeps its own logprobs through speculative steps of several tokens, max_tokens, an EOS
+    and a stop string cutting a step short; a request that asks for none gets None."""
+    eng = FakeEngine(accept=lambda s, k: 3, tokenizer=CharTokenizer(), eos_positions={17})
+    core = SchedulerCore(eng, SchedulerConfig(max_batch_size=4, pool_size=4, num_speculative_tokens=3))
+    core.add(req(0, prompt_len=4, max_tokens=9, logprobs=2, stop=stop))  # token_at(6) == 16 == "\x10"
+    core.add(req(1, prompt_len=4, max_tokens=30, logprobs=0))  # EOS at position 17
+    core.add(req(2, prompt_len=4, max_tokens=9))
+    by = _logprobs_by_request(run_all(core))
+    ids, lps = by["0"]
+    assert len(ids) == (3 if stop else 9)  # the stop string's token is the last one kept
+    assert lps == [FakeEngine.logprob_at(4 + i, t, 2) for i, t in enumerate(ids)]
+    ids, lps = by["1"]
+    assert ids[-1] == 2 and len(ids) == 14
+    assert lps == [FakeEngine.logprob_at(4 + i, t, 0) for i, t in enumerate(ids)]
+    assert by["2"][1] is None and len(by["2"][0]) == 9
+
+
+def test_merged_deltas_join_logprobs():
+    from exspec.engine.types import TokenLogprob
+    from exspec.scheduler.types import RequestOutput, merge_deltas
+
+    a, b = TokenLogprob(-0.5, ((7, -0.5),)), TokenLogprob(-1.5, ((8, -0.25),))
+    first = RequestOutput("r", (7,), "x", False, None, 1, 1, logprobs=(a,))
+    then = RequestOutput("r", (8,), "y", True, "stop", 1, 2, logprobs=(b,))
+    assert merge_deltas(first, then).logprobs == (a, b)
+    flush = RequestOutput("r", (), "", True, "stop", 1, 1)  # a finish with no tokens (held-back text flushed)
+    assert merge_deltas(first, flush).logprobs == (a,)
+    plain = RequestOutput("r", (7,), "x", False, None, 1, 1)
+    assert merge_deltas(plain, RequestOutput("r", (8,), "y", True, "stop", 1, 2)).logprobs is None

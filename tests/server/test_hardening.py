@@ -262,8 +262,6 @@ def test_models_retrieve_and_unknown_model(srv):
         ({"function_call": {"name": "f"}}, "function_call"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
-        ({"logprobs": True}, "logprobs"),
-        ({"top_logprobs": 2}, "top_logprobs"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ],
 )

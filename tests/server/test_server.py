@@ -285,8 +285,9 @@ def _err(resp: httpx.Response, status: int) -> dict:
         ("/completions", {"prompt": [1, 2, 99999]}, "prompt"),  # id outside the vocabulary
         ("/completions", {"prompt": list(range(10, 10 + MAX_LEN - 8)), "max_tokens": 16}, "max_tokens"),
         ("/completions", {"prompt": list(range(10, 10 + MAX_LEN))}, "prompt"),
-        ("/completions", {"prompt": "hi", "logprobs": 1}, "logprobs"),
-        ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+        ("/completions", {"prompt": "hi", "logprobs": 99}, "logprobs"),
+        ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 99},
+         "top_logprobs"),
         ("/chat/completions", {"messages": []}, "messages"),
         ("/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
         ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": MAX_LEN}, None),
@@ -309,8 +310,8 @@ def test_openai_client_sees_errors(srv, client):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
     assert e.value.body["code"] == "model_not_found"
-    with pytest.raises(openai.BadRequestError, match="logprobs is not supported"):
-        client.completions.create(model=srv.model_name, prompt="hi", max_tokens=2, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="suffix is not supported"):
+        client.completions.create(model=srv.model_name, prompt="hi", max_tokens=2, suffix="!")
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.completions.create(model=srv.model_name, prompt=list(range(10, 130)), max_tokens=16)
     assert httpx.get(srv.base_url + "/health").status_code == 200  # none of it hurt the server

@@ -195,3 +195,19 @@ def test_generate_on_the_gguf_is_the_target_alone(smollm2, reference, tmp_path, 
     rows = [json.loads(line) for line in dst.read_text().splitlines()]
     assert [r["token_ids"] for r in rows] == reference
     assert all("\ufffd" not in r["text"] for r in rows)
+
+
+def test_chat_logprobs_with_a_real_tokenizer(server, tok, reference):
+    """Byte-level BPE: the logprobs' token texts concatenate to the reply (an ASCII one) and its EOS token; the
+    chosen (greedy) token is the first alternative, with the same value; bytes are each text's UTF-8."""
+    reply = _chat(server, PROMPTS[0], logprobs=True, top_logprobs=3)
+    choice = reply["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert choice["token_ids"] == reference[0] and len(content) == len(reference[0])
+    eos = tok.decode([tok.eos_token_id]) if choice["finish_reason"] == "stop" else ""
+    assert choice["message"]["content"].isascii()
+    assert "".join(e["token"] for e in content) == choice["message"]["content"] + eos
+    for e in content:
+        assert e["bytes"] == list(e["token"].encode("utf-8"))
+        assert len(e["top_logprobs"]) == 3 and e["top_logprobs"][0]["token"] == e["token"]
+        assert e["top_logprobs"][0]["logprob"] == e["logprob"] <= 0.0

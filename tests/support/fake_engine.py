@@ -7,11 +7,11 @@ a sequence's blocks."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from exspec.engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from exspec.engine.params import SamplingParams
-from exspec.engine.types import PrefillBatch, SeqOutput, StepBatch, StepOutput
+from exspec.engine.types import PrefillBatch, SeqOutput, StepBatch, StepOutput, TokenLogprob
 from exspec.errors import CapacityError, InvalidRequestError
 
 EOS = 2
@@ -122,14 +122,25 @@ class FakeEngine:
             return position % 50 + 10
         return random.Random(seed * 1_000_003 + position).randrange(10, 60)
 
-    def _emit(self, seq: FakeSeq, n: int) -> tuple[int, ...]:
+    @staticmethod
+    def logprob_at(position: int, token: int, n: int) -> TokenLogprob:
+        """The logprobs reported for `token` at `position`: -position / 1000, and n alternatives token + 1 ...
+        token + n at -0.1, -0.2, ..."""
+        return TokenLogprob(-position / 1000, tuple((token + j, -j / 10) for j in range(1, n + 1)))
+
+    def _emit(self, seq: FakeSeq, n: int) -> SeqOutput:
+        """The next n tokens (and their `logprob_at` where the sequence asks for logprobs), as a SeqOutput with
+        no drafts; the caller sets those."""
         seed = None if seq.params.greedy else seq.seed
         new = []
         for pos in range(seq.length, seq.length + n):
             stop_allowed = pos - seq.prompt_len >= seq.params.min_tokens
             new.append(EOS if pos in self.eos_positions and stop_allowed else self.token_at(pos, seed))
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs = tuple(self.logprob_at(seq.length + i, t, seq.params.logprobs) for i, t in enumerate(new))
         seq.length += n
-        return tuple(new)
+        return SeqOutput(seq.seq_id, tuple(new), 0, 0, logprobs)
 
     def _maybe_fail(self, ids) -> None:
         if self.fail_next:
@@ -160,7 +171,7 @@ class FakeEngine:
             a = min(self.accept(seq, row_k), row_k) if row_k else 0
             for i in range(a):
                 per_pos[i] += 1
-            outs.append(SeqOutput(c.seq_id, self._emit(seq, a + 1), row_k, a))
+            outs.append(replace(self._emit(seq, a + 1), num_draft_tokens=row_k, num_accepted=a))
         return StepOutput(tuple(outs), "prefill", len(outs), k, tuple(per_pos), 0.0,
                           self.step_seconds if not callable(self.step_seconds) else 0.0)
 
@@ -183,6 +194,6 @@ class FakeEngine:
             a = min(self.accept(seq, k), row_k)
             for i in range(a):
                 per_pos[i] += 1
-            outs.append(SeqOutput(seq.seq_id, self._emit(seq, a + 1), row_k, a))
+            outs.append(replace(self._emit(seq, a + 1), num_draft_tokens=row_k, num_accepted=a))
         secs = self.step_seconds(len(seqs), k) if callable(self.step_seconds) else self.step_seconds
         return StepOutput(tuple(outs), "grouped" if grouped else "mixed", len(outs), k, tuple(per_pos), 0.0, secs)

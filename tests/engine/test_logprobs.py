@@ -1,0 +1,118 @@
+"""Logprobs: each emitted token's log-probability under the target and its n most likely alternatives, the same
+whether the token came from a speculative step (an accepted draft, a correction, a bonus), a fused prefill or the
+target alone, and whatever else shares the batch. Compared with one forward of the target (Hugging Face, fp32)
+over the prompt and the output the engine produced."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from tests.support.driver import admit
+from tests.support.models import random_prompts
+
+from exspec.engine import InvalidRequestError, PrefillBatch, PrefillChunk, SamplingParams, StepBatch
+from exspec.engine.params import MAX_LOGPROBS
+
+ATOL = 1e-4  # fp32: the verify reads k + 1 positions in one forward, the reference the whole sequence
+
+
+def _run(engine, prompts, params, k: int, prefill_k: int = 0):
+    """Admit, prefill together, step until every row has its max_tokens (no stopping rule: the engine's raw
+    output). Returns, per row, (output tokens, their logprobs or None)."""
+    seqs = [admit(engine, p, prm) for p, prm in zip(prompts, params)]
+    out_ids = [[] for _ in seqs]
+    out_lps = [[] if prm.logprobs is not None else None for prm in params]
+
+    def take(rows, outputs):
+        for i, o in zip(rows, outputs):
+            assert (o.logprobs is None) == (params[i].logprobs is None)
+            if o.logprobs is not None:
+                assert len(o.logprobs) == len(o.token_ids)
+                out_lps[i].extend(o.logprobs)
+            out_ids[i].extend(o.token_ids)
+
+    chunks = tuple(PrefillChunk(s.seq_id, 0, s.prompt_len) for s in seqs)
+    take(range(len(seqs)), engine.prefill(PrefillBatch(chunks, num_draft_tokens=prefill_k)).outputs)
+    while live := [i for i in range(len(seqs)) if len(out_ids[i]) < params[i].max_tokens]:
+        take(live, engine.step(StepBatch(tuple(seqs[i].seq_id for i in live), k)).outputs)
+    for s in seqs:
+        engine.free(s.seq_id)
+    return [(ids[: p.max_tokens], None if lps is None else lps[: p.max_tokens])
+            for ids, lps, p in zip(out_ids, out_lps, params)]
+
+
+def _check(models, arch, prompt, ids, lps, n, greedy=False):
+    """lps against log_softmax of the target's logits over prompt + ids: the chosen token's value (greedy: the
+    largest), and n alternatives that are the n most likely (values in order; each id's own value right)."""
+    model = models._ref_model(arch)
+    seq = torch.tensor([list(prompt) + ids])
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(seq).logits[0].float(), dim=-1)[len(prompt) - 1 : -1]  # [len(ids), V]
+    assert len(lps) == len(ids)
+    for j, (tok, lp) in enumerate(zip(ids, lps)):
+        assert abs(lp.logprob - ref[j, tok].item()) < ATOL, f"position {j}"
+        if greedy:
+            assert abs(lp.logprob - ref[j].max().item()) < ATOL, f"position {j}"
+        assert len(lp.top) == n
+        best = ref[j].topk(n).values.tolist()
+        got = [v for _, v in lp.top]
+        assert got == sorted(got, reverse=True)
+        assert all(abs(a - b) < ATOL for a, b in zip(got, best)), f"position {j}"
+        assert all(abs(v - ref[j, t].item()) < ATOL for t, v in lp.top), f"position {j}"
+        assert len({t for t, _ in lp.top}) == n
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize(("k", "prefill_k"), [(0, 0), (3, 0), (3, 2)])
+def test_logprobs_are_the_target_s_in_a_mixed_batch(models, arch, k, prefill_k):
+    """Rows asking for no logprobs, for the chosen token only, and for 3 and MAX_LOGPROBS alternatives share
+    greedy and sampled batches with partial acceptance ("noisy" draft); k = 0 is the target alone."""
+    engine = models.engine(arch, "noisy")
+    prompts = random_prompts([5, 9, 3, 12, 7], seed=21)
+    asks = [None, 0, 3, MAX_LOGPROBS, 1]
+    params = [SamplingParams(max_tokens=10, logprobs=n, **({"temperature": 0.9, "seed": 40 + i} if i >= 3 else {}))
+              for i, n in enumerate(asks)]
+    results = _run(engine, prompts, params, k, prefill_k)
+    for (ids, lps), prompt, prm in zip(results, prompts, params):
+        if prm.logprobs is None:
+            assert lps is None
+        else:
+            _check(models, arch, prompt, ids, lps, prm.logprobs, greedy=prm.greedy)
+    # the same tokens whether or not logprobs were asked for
+    plain = _run(models.engine(arch, "noisy"), prompts, [replace(p, logprobs=None) for p in params], k, prefill_k)
+    assert [ids for ids, _ in plain] == [ids for ids, _ in results]
+
+
+def test_speculative_and_target_alone_logprobs_agree(models):
+    """The same greedy rows through k = 4 (accepted drafts, corrections, bonuses: the "same" draft accepts all)
+    and k = 0: the same tokens and the same logprobs."""
+    prompts = random_prompts([6, 11], seed=22)
+    params = [SamplingParams(max_tokens=12, logprobs=4)] * 2
+    for variant in ("same", "noisy"):
+        spec = _run(models.engine("qwen3", variant), prompts, params, 4)
+        alone = _run(models.engine("qwen3", variant), prompts, params, 0)
+        for (ids_s, lps_s), (ids_a, lps_a) in zip(spec, alone):
+            assert ids_s == ids_a
+            for s, a in zip(lps_s, lps_a):
+                assert abs(s.logprob - a.logprob) < ATOL
+                assert [t for t, _ in s.top] == [t for t, _ in a.top] or all(
+                    abs(x - y) < ATOL for (_, x), (_, y) in zip(s.top, a.top))
+
+
+def test_raw_logprobs_ignore_min_tokens(models):
+    """min_tokens keeps EOS from being sampled, not from being reported: the logprobs are the raw model's."""
+    engine = models.engine("llama", "noisy")
+    prompt = random_prompts([8], seed=23)[0]
+    ((ids, lps),) = _run(engine, [prompt], [SamplingParams(max_tokens=6, min_tokens=6, logprobs=2)], 2)
+    _check(models, "llama", prompt, ids, lps, 2)
+    assert all(lp.logprob > float("-inf") for lp in lps)
+
+
+def test_logprobs_bounds():
+    for bad in (-1, MAX_LOGPROBS + 1, 1.5, True):
+        with pytest.raises(InvalidRequestError, match="logprobs"):
+            SamplingParams(logprobs=bad)
+    SamplingParams(logprobs=0)
+    SamplingParams(logprobs=MAX_LOGPROBS)

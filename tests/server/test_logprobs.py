@@ -1,0 +1,163 @@
+"""logprobs over HTTP: the completions API's `logprobs: n` and the chat API's `logprobs: true` / `top_logprobs: n`,
+streamed and not, through the official `openai` client, against the target's own log-probabilities (one Hugging
+Face forward over the prompt and the output the server returned). Speculation is on (k = 3) with a draft that
+rarely agrees, so the tokens come from verifies, corrections and bonuses."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.support.server_fixtures import running_server
+from tests.support.tiny_models import build_pair
+
+MAX_LEN = 128
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return build_pair(tmp_path_factory.mktemp("logprob-models"), "llama")
+
+
+@pytest.fixture(scope="module")
+def srv(pair):
+    target, draft = pair
+    with running_server(target, draft, max_model_len=MAX_LEN, max_batch_size=4, pool_size=8,
+                        num_speculative_tokens=3) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def ref_logprobs(pair):
+    """prompt, output ids -> log_softmax of the target's logits at each output position ([len(output), V])."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(pair[0]).eval()
+
+    def ref(prompt: list[int], output: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + output])).logits[0].float()
+        return torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
+
+    return ref
+
+
+@pytest.fixture
+def client(srv):
+    with openai.OpenAI(base_url=srv.v1, api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+PROMPTS = [[11, 57, 203, 9, 140], [77, 31, 250, 18, 66, 90, 12]]
+
+
+def _text_of(tok, token_id: int) -> str:
+    return tok.decode([token_id])
+
+
+def _check_top(tok, ref_row: torch.Tensor, pairs, n: int) -> None:
+    """pairs: (token text, logprob) of the n alternatives: the n largest values, each the value of a token with
+    that text (tiny tokenizers decode many ids to the same text)."""
+    values = [v for _, v in pairs]
+    assert len(pairs) == n
+    assert values == sorted(values, reverse=True)
+    best = ref_row.topk(n).values.tolist()
+    assert all(abs(a - b) < ATOL for a, b in zip(values, best))
+    for text, v in pairs:
+        ids = torch.nonzero((ref_row - v).abs() < ATOL).flatten().tolist()
+        assert any(_text_of(tok, i) == text for i in ids), (text, v)
+
+
+def test_completions_logprobs(srv, client, ref_logprobs):
+    tok = srv.engine.tokenizer
+    r = client.completions.create(model=srv.model_name, prompt=PROMPTS, max_tokens=10, temperature=0, logprobs=3,
+                                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    for prompt, choice in zip(PROMPTS, sorted(r.choices, key=lambda c: c.index)):
+        ids, lp = choice.token_ids, choice.logprobs
+        assert len(ids) == 10
+        ref = ref_logprobs(prompt, ids)
+        assert lp.tokens == [_text_of(tok, t) for t in ids]
+        assert all(abs(a - ref[j, t].item()) < ATOL for j, (a, t) in enumerate(zip(lp.token_logprobs, ids)))
+        assert all(abs(a - ref[j].max().item()) < ATOL for j, a in enumerate(lp.token_logprobs))  # greedy
+        offsets = [0]
+        for text in lp.tokens[:-1]:
+            offsets.append(offsets[-1] + len(text))
+        assert lp.text_offset == offsets
+        for j, top in enumerate(lp.top_logprobs):
+            assert lp.tokens[j] in top  # the chosen token is always there (vLLM)
+            # keyed by text: ids that decode alike (tiny tokenizers: many to U+FFFD) share the more likely's entry
+            assert len(top) <= 4
+            assert abs(max(top.values()) - ref[j].max().item()) < ATOL
+            for text, v in top.items():
+                same_text = [i for i in range(ref.shape[1]) if _text_of(tok, i) == text]
+                assert abs(v - max(ref[j, i].item() for i in same_text)) < ATOL, (text, v)
+
+
+def test_completions_stream_logprobs_equal_non_stream(srv, client):
+    kw = dict(model=srv.model_name, prompt=PROMPTS[0], max_tokens=12, temperature=0.8, seed=5, logprobs=2,
+              extra_body={"return_token_ids": True, "ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0]
+    chunks = [c for c in client.completions.create(stream=True, **kw) if c.choices]
+    ids = [t for c in chunks for t in (c.choices[0].token_ids or [])]
+    assert ids == whole.token_ids
+    lps = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    assert [t for lp in lps for t in lp.tokens] == whole.logprobs.tokens
+    assert [o for lp in lps for o in lp.text_offset] == whole.logprobs.text_offset
+    got = [v for lp in lps for v in lp.token_logprobs]
+    assert all(abs(a - b) < ATOL for a, b in zip(got, whole.logprobs.token_logprobs, strict=True))
+
+
+def test_chat_logprobs_streamed_and_not(srv, client, ref_logprobs):
+    tok = srv.engine.tokenizer
+    messages = [{"role": "user", "content": "hello there"}]
+    kw = dict(model=srv.model_name, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=4,
+              extra_body={"return_token_ids": True, "ignore_eos": True})
+    r = client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == len(choice.token_ids) == r.usage.completion_tokens == 8
+    ref = ref_logprobs(choice.prompt_token_ids, choice.token_ids)
+    for j, (entry, t) in enumerate(zip(content, choice.token_ids)):
+        assert entry.token == _text_of(tok, t)
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert abs(entry.logprob - ref[j, t].item()) < ATOL
+        _check_top(tok, ref[j], [(e.token, e.logprob) for e in entry.top_logprobs], 4)
+        assert all(e.bytes == list(e.token.encode("utf-8")) for e in entry.top_logprobs)
+    chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    streamed = [e for c in chunks if c.choices[0].logprobs is not None for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert all(abs(a.logprob - b.logprob) < ATOL for a, b in zip(streamed, content))
+
+
+def test_logprobs_are_null_unless_asked_for(srv):
+    r = httpx.post(srv.v1 + "/completions", json={"prompt": PROMPTS[0], "max_tokens": 2}, timeout=60).json()
+    assert "logprobs" in r["choices"][0] and r["choices"][0]["logprobs"] is None
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": False}
+    r = httpx.post(srv.v1 + "/chat/completions", json=body, timeout=60).json()
+    assert r["choices"][0]["logprobs"] is None
+    # logprobs: 0 is the chosen token alone
+    r = httpx.post(srv.v1 + "/completions", json={"prompt": PROMPTS[0], "max_tokens": 2, "logprobs": 0},
+                   timeout=60).json()
+    lp = r["choices"][0]["logprobs"]
+    assert [list(top) for top in lp["top_logprobs"]] == [[t] for t in lp["tokens"]]
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True}
+    r = httpx.post(srv.v1 + "/chat/completions", json=body, timeout=60).json()
+    assert [e["top_logprobs"] for e in r["choices"][0]["logprobs"]["content"]] == [[], []]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/completions", {"prompt": "a", "logprobs": 21}, "logprobs"),
+    ("/completions", {"prompt": "a", "logprobs": -1}, "logprobs"),
+    ("/completions", {"prompt": "a", "logprobs": 2, "echo": True}, "echo"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs"),
+])
+def test_bad_logprobs_are_400s_naming_the_field(srv, path, body, param):
+    r = httpx.post(srv.v1 + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert srv.wait_idle()
