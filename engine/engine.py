@@ -73,9 +73,10 @@ class Draft:
     probs: torch.Tensor | None  # [B, k, V]: the distributions q they were drawn from; None if all greedy
 
 
-def _logprobs_width(states) -> int | None:
-    """The most alternatives a row of the batch asks for, or None when no row asks for logprobs."""
-    asked = [st.params.logprobs for st in states if st.params.logprobs is not None]
+def _logprobs_width(states, field: str = "logprobs") -> int | None:
+    """The most alternatives a row of the batch asks for (`field`: logprobs or prompt_logprobs), or None when no
+    row asks."""
+    asked = [n for n in (getattr(st.params, field) for st in states) if n is not None]
     return max(asked) if asked else None
 
 
@@ -206,8 +207,10 @@ class SpecEngine:
         """Raise InvalidRequestError if a parameter cannot reach a tensor of this engine."""
         if params.top_k > self.vocab_size:
             raise InvalidRequestError(f"top_k must be in [0, {self.vocab_size}] (0: off), got {params.top_k}")
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise InvalidRequestError(f"logprobs must be in [0, {self.vocab_size}], got {params.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is not None and n > self.vocab_size:
+                raise InvalidRequestError(f"{name} must be in [0, {self.vocab_size}], got {n}")
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise InvalidRequestError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
@@ -291,7 +294,14 @@ class SpecEngine:
         plan = self._fused_plan(batch, states) if draft_logits is not None else None
         if plan is not None:
             return self._fused_prefill(plan, chunks, tokens, starts, last, draft_logits, t0, t1)
-        raw = self.target.extend(tokens, starts, slots, select=last)  # [B, 1, V]
+        prompt_width = _logprobs_width(states, "prompt_logprobs")
+        if prompt_width is None:
+            raw = self.target.extend(tokens, starts, slots, select=last)  # [B, 1, V]
+        else:  # the logits of every chunk position: each predicts the prompt's next token
+            every = self.target.extend(tokens, starts, slots)  # [B, Q, V]
+            nxt = self._tokens(slot_t, [s + 1 for s in starts], q_len)  # [B, Q]: the token each position predicts
+            prompt_lp = token_logprobs(every, nxt, prompt_width).flatten(1)  # [B, Q * (1 + 2 * prompt_width)]
+            raw = every.gather(1, last[:, :, None].expand(-1, -1, every.shape[-1]))  # [B, 1, V]
         rows = self._row_params(states, slot_t)
         positions = to_device([st.prompt_len for st in states], dev)[:, None]  # [B, 1]
         logits = self._suppress_stops(raw, states, [0] * len(states))
@@ -299,12 +309,17 @@ class SpecEngine:
         self.token_buf[slot_t, positions[:, 0]] = first
         t2 = self._clock.mark()
         width = _logprobs_width(states)
-        if width is None:
+        if width is None and prompt_width is None:
             packed = first[:, None].tolist()  # [B, 1]: the one host sync
-        else:  # the tokens and their logprobs in one read
-            lp = token_logprobs(raw, first[:, None], width)  # [B, 1, 1 + 2 * width]
-            packed = torch.cat([first[:, None].double(), lp.flatten(1)], dim=1).tolist()  # [B, 2 + 2 * width]
+        else:  # the tokens and their logprobs in one read: [B, 1 (+ 1 + 2 * width) (+ Q * (1 + 2 * prompt_width))]
+            parts = [first[:, None].double()]
+            if width is not None:
+                parts.append(token_logprobs(raw, first[:, None], width).flatten(1))
+            if prompt_width is not None:
+                parts.append(prompt_lp)
+            packed = torch.cat(parts, dim=1).tolist()
         outputs = []
+        after = 1 + (0 if width is None else 1 + 2 * width)  # where a row's prompt logprobs start
         for chunk, st, row, draft_fed in zip(chunks, states, packed, fed):
             st.num_prefilled = chunk.end
             if draft_fed:
@@ -312,10 +327,16 @@ class SpecEngine:
             done = chunk.end == st.prompt_len
             if done:
                 st.length += 1
-            logprobs = None
+            logprobs = prompt_logprobs = None
             if done and st.params.logprobs is not None:
                 logprobs = read_logprobs(row[1:], 1, width, st.params.logprobs)
-            outputs.append(SeqOutput(chunk.seq_id, (int(row[0]),) if done else (), 0, 0, logprobs))
+            if st.params.prompt_logprobs is not None:
+                # the chunk's positions start .. end - 1 predict tokens start + 1 .. end; the prompt's last
+                # position predicts the first generated token, reported with `logprobs`
+                num = min(chunk.end, st.prompt_len - 1) - chunk.start
+                prompt_logprobs = (None,) if chunk.start == 0 else ()
+                prompt_logprobs += read_logprobs(row[after:], num, prompt_width, st.params.prompt_logprobs)
+            outputs.append(SeqOutput(chunk.seq_id, (int(row[0]),) if done else (), 0, 0, logprobs, prompt_logprobs))
         return StepOutput(
             outputs=tuple(outputs),
             kind="prefill",
@@ -333,6 +354,8 @@ class SpecEngine:
         if k <= 0 or any(c.end != st.prompt_len for c, st in zip(batch.chunks, states)):
             return None
         if not any(st.params.use_speculation for st in states):
+            return None
+        if _logprobs_width(states, "prompt_logprobs") is not None:  # the unfused prefill reads every position
             return None
         try:
             plan = self._make_plan(tuple(c.seq_id for c in batch.chunks), states, k)

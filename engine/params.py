@@ -24,6 +24,7 @@ class SamplingParams:
     # None: no logprobs; n >= 0: each emitted token's log-probability under the target (its raw logits: before
     # temperature, top-k / top-p and min_tokens, as vLLM's default "raw_logprobs") and the n most likely tokens'
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (its prefill's logits)
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str, value: object) -> None:
@@ -41,8 +42,10 @@ class SamplingParams:
             bad("seed", "an integer in [0, 2**63)", self.seed)
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             bad("min_tokens", f"in [0, max_tokens={self.max_tokens}]", self.min_tokens)
-        if self.logprobs is not None and not (type(self.logprobs) is int and 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and not (type(n) is int and 0 <= n <= MAX_LOGPROBS):
+                bad(name, f"None or an integer in [0, {MAX_LOGPROBS}]", n)
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "non-negative integers", self.stop_token_ids)
 

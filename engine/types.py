@@ -49,6 +49,10 @@ class SeqOutput:
     num_draft_tokens: int  # draft tokens proposed for this sequence this step
     num_accepted: int  # of those, accepted by the target
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token of token_ids, when the sequence asked for them
+    # prefill, when the sequence asked for prompt_logprobs: one per prompt token this chunk's logits predict (the
+    # chunk [start, end) predicts tokens start + 1 .. end, less the first generated one), led by None for token 0
+    # when start is 0; in order over a prompt's chunks, one per prompt token
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)

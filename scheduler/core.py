@@ -289,6 +289,8 @@ class SchedulerCore:
             self.num_left_waiting += 1
             req.seq_id = seq_id
             req.num_recomputed = req.num_output_tokens
+            if self._wants_prompt_logprobs(req):  # from the start (again, if preempted while prefilling)
+                req.prompt_logprobs = []
             if req.stop_rule is None:
                 req.stop_rule = StopRule.build(req.params, self.engine.eos_token_ids, self.engine.max_model_len)
             req.state = RequestState.PREFILLING
@@ -312,10 +314,18 @@ class SchedulerCore:
             if req.engine_seed is None:
                 req.engine_seed = self._seed_rng.getrandbits(63)
             params = replace(params, seed=req.engine_seed)
+        if params.prompt_logprobs is not None and not self._wants_prompt_logprobs(req):
+            params = replace(params, prompt_logprobs=None)  # re-added after its prompt's were delivered
         done = req.num_output_tokens
         if done:
             params = replace(params, max_tokens=params.max_tokens - done, min_tokens=max(params.min_tokens - done, 0))
         return params
+
+    @staticmethod
+    def _wants_prompt_logprobs(req: Request) -> bool:
+        """The request asked for prompt logprobs and has not received them all (a re-add after a preemption
+        during its prefill computes them again; one after it does not)."""
+        return req.params.prompt_logprobs is not None and req.num_output_tokens == 0
 
     def _reserved_blocks(self) -> int:
         """Blocks the admitted sequences need for their next step at k = 0 (a prefilling one: its first step,
@@ -485,6 +495,8 @@ class SchedulerCore:
         for req, so in zip(reqs, out.outputs):
             req.num_draft_tokens += so.num_draft_tokens
             req.num_accepted_tokens += so.num_accepted
+            if so.prompt_logprobs is not None and req.prompt_logprobs is not None:
+                req.prompt_logprobs.extend(so.prompt_logprobs)
             if not so.token_ids:  # a prompt chunk that does not complete the prompt
                 continue
             kept, reason = req.stop_rule.apply(so.token_ids, req.num_output_tokens, req.length)
@@ -517,9 +529,11 @@ class SchedulerCore:
         return req, self._output(req, tuple(token_ids), text, first, logprobs)
 
     def _output(self, req: Request, token_ids, text: str, first: bool, logprobs=None) -> RequestOutput:
-        queue_time = None
+        queue_time = prompt_logprobs = None
         if first and req.first_scheduled_time is not None:
             queue_time = req.first_scheduled_time - req.arrival_time
+        if first and token_ids and req.prompt_logprobs is not None:
+            prompt_logprobs = tuple(req.prompt_logprobs)
         return RequestOutput(
             request_id=req.request_id,
             token_ids=tuple(token_ids),
@@ -533,6 +547,7 @@ class SchedulerCore:
             num_accepted_tokens=req.num_accepted_tokens,
             queue_time_s=queue_time,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _stats(self, out: StepOutput, schedule_s: float, prompt_tokens: int, num_tokens: int) -> StepStats:

@@ -90,6 +90,8 @@ class RequestOutput:
     num_accepted_tokens: int = 0  # of those, accepted so far
     queue_time_s: float | None = None  # on the first delta: seconds from submit() to first scheduled
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token of token_ids, when the request asked for them
+    # on the first delta with tokens, when the request asked for prompt_logprobs: one per prompt token (None first)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
@@ -100,7 +102,8 @@ def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
         logprobs = first.logprobs + (then.logprobs or ())
     return replace(then, token_ids=first.token_ids + then.token_ids, text=first.text + then.text,
                    queue_time_s=first.queue_time_s if first.queue_time_s is not None else then.queue_time_s,
-                   logprobs=logprobs)
+                   logprobs=logprobs,
+                   prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs)
 
 
 @dataclass(frozen=True)

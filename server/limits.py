@@ -51,9 +51,6 @@ def check_logprobs(req: CompletionRequest | ChatCompletionRequest, vocab_size: i
     if isinstance(req, CompletionRequest):
         if req.logprobs is not None and req.logprobs > most:
             raise _bad("logprobs", f"in [0, {most}]", req.logprobs)
-        if req.logprobs is not None and req.echo:
-            raise APIError(400, "echo with logprobs (the prompt's logprobs) is not supported yet by exspec",
-                           param="echo", code="unsupported_parameter")
         return
     if req.top_logprobs is not None and req.top_logprobs > most:
         raise _bad("top_logprobs", f"in [0, {most}]", req.top_logprobs)

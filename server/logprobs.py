@@ -33,22 +33,28 @@ class TokenTexts:
         return text
 
 
-def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[TokenLogprob], texts: TokenTexts,
+def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None], texts: TokenTexts,
                         offset: int = 0) -> CompletionLogprobs:
-    """The completions API's logprobs of these tokens; `offset`: the text offset of the first (the lengths of the
-    token texts before it, in a stream)."""
+    """The completions API's logprobs of these tokens (None: an echoed prompt's first token, nothing predicts it);
+    `offset`: the text offset of the first (the lengths of the token texts before it, in a stream)."""
+    if len(token_ids) != len(logprobs):
+        raise ValueError(f"{len(token_ids)} tokens but {len(logprobs)} logprobs")
     tokens = [texts(t) for t in token_ids]
     offsets = []
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
-    tops = []
+    tops: list[dict[str, float] | None] = []
     for text, lp in zip(tokens, logprobs):
+        if lp is None:
+            tops.append(None)
+            continue
         top: dict[str, float] = {}
         for t, v in (*lp.top, (None, lp.logprob)):  # most likely first: a text two ids share keeps the larger value
             top.setdefault(text if t is None else texts(t), _finite(v))
         tops.append(top)
-    return CompletionLogprobs(tokens=tokens, token_logprobs=[_finite(lp.logprob) for lp in logprobs],
+    return CompletionLogprobs(tokens=tokens, token_logprobs=[None if lp is None else _finite(lp.logprob)
+                                                             for lp in logprobs],
                               top_logprobs=tops, text_offset=offsets)
 
 

@@ -101,6 +101,10 @@ class _SamplingFields(_Request):
         """The engine's `logprobs`: None for none, else the alternatives per token."""
         raise NotImplementedError
 
+    def engine_prompt_logprobs(self) -> int | None:
+        """The engine's `prompt_logprobs` (completions' echo with logprobs)."""
+        return None
+
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -134,6 +138,9 @@ class CompletionRequest(_SamplingFields):
 
     def engine_logprobs(self) -> int | None:
         return self.logprobs
+
+    def engine_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     def unsupported_fields(self) -> list[str]:
         bad = self._common_unsupported()
@@ -219,10 +226,10 @@ class CompletionLogprobs(BaseModel):
     """The completions API's (legacy) logprobs of a choice or a chunk: one entry per token in each list."""
 
     tokens: list[str]
-    token_logprobs: list[float]
+    token_logprobs: list[float | None]  # None for the first token of an echoed prompt (nothing predicts it)
     # the n most likely tokens and the chosen one (vLLM's convention), keyed by text: ids that decode alike share
     # one entry, the more likely one's
-    top_logprobs: list[dict[str, float]]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]  # each token's offset in the choice's text, token texts counted as decoded alone
 
 

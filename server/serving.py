@@ -32,6 +32,7 @@ from exspec.server.protocol import (
     ChatCompletionResponse,
     ChatResponseMessage,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
@@ -64,6 +65,7 @@ class _Choice:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, where the request asked for them
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()  # one per prompt token, for echo with logprobs
     text_offset: int = 0  # a completions stream's: the text_offset of the next token
 
     def add(self, out: RequestOutput) -> None:
@@ -71,6 +73,8 @@ class _Choice:
         self.token_ids.extend(out.token_ids)
         if out.logprobs:
             self.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.completion_tokens = out.completion_tokens
         if out.finished:
             self.finish_reason = out.finish_reason
@@ -243,8 +247,13 @@ class OpenAIServing:
                 text = prompt_texts[c.index // req.n] + text
             ids = c.token_ids if req.return_token_ids else None
             logprobs = None
-            if req.logprobs is not None:
-                logprobs = completion_logprobs(c.token_ids, c.logprobs, self.token_texts)
+            if req.logprobs is not None:  # with echo, the prompt's tokens first
+                prompt = ([], ())
+                if req.echo:  # a choice always has them once it has tokens; None each defensively
+                    ok = len(c.prompt_logprobs) == len(c.prompt_ids)
+                    prompt = (c.prompt_ids, c.prompt_logprobs if ok else (None,) * len(c.prompt_ids))
+                logprobs = completion_logprobs([*prompt[0], *c.token_ids], [*prompt[1], *c.logprobs],
+                                               self.token_texts)
             out.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
                                         token_ids=ids, prompt_token_ids=c.prompt_ids if req.return_token_ids else None))
         body = CompletionResponse(id=gen.base_id, model=self.model_name, choices=out, usage=gen.usage(prompts))
@@ -386,6 +395,7 @@ class OpenAIServing:
             use_speculation=req.use_speculation,
             stop=req.stop_strings(),
             logprobs=req.engine_logprobs(),
+            prompt_logprobs=req.engine_prompt_logprobs(),
         )
 
     def _submit(self, req, prompts: list[list[int]], max_tokens: int, base_id: str, arrival: float) -> _Generation:
@@ -484,20 +494,37 @@ class OpenAIServing:
             return _sse(CompletionResponse(id=gen.base_id, created=created, model=self.model_name,
                                            choices=choices, usage=usage))
 
+        def logprobs_of(choice: _Choice, token_ids, logprobs) -> CompletionLogprobs | None:
+            if req.logprobs is None:
+                return None
+            out = completion_logprobs(token_ids, logprobs, self.token_texts, choice.text_offset)
+            choice.text_offset += text_length(token_ids, self.token_texts)
+            return out
+
+        def echo(choice: _Choice, prompt_logprobs=()) -> str:
+            logprobs = logprobs_of(choice, choice.prompt_ids, prompt_logprobs)
+            return event([CompletionChoice(index=choice.index, text=prompt_texts[choice.index // req.n],
+                                           logprobs=logprobs)])
+
+        # echo with logprobs: a choice's prompt event waits for its prompt logprobs, on its first delta
+        echo_later = req.echo and req.logprobs is not None
+        echoed: set[int] = set()
+
         def render(choice: _Choice, out: RequestOutput) -> str:
+            before = ""
+            if echo_later and choice.index not in echoed:
+                echoed.add(choice.index)
+                lps = out.prompt_logprobs or ()
+                if len(lps) != len(choice.prompt_ids):  # a choice always has them with its first tokens
+                    lps = (None,) * len(choice.prompt_ids)
+                before = echo(choice, lps)
             ids = list(out.token_ids) if req.return_token_ids else None
             finish = out.finish_reason if out.finished else None
-            logprobs = None
-            if req.logprobs is not None:
-                logprobs = completion_logprobs(out.token_ids, out.logprobs or (), self.token_texts, choice.text_offset)
-                choice.text_offset += text_length(out.token_ids, self.token_texts)
-            return event([CompletionChoice(index=choice.index, text=out.text, logprobs=logprobs, finish_reason=finish,
-                                           token_ids=ids)])
+            logprobs = logprobs_of(choice, out.token_ids, out.logprobs or ())
+            return before + event([CompletionChoice(index=choice.index, text=out.text, logprobs=logprobs,
+                                                    finish_reason=finish, token_ids=ids)])
 
-        opening = []
-        if req.echo:
-            opening = [event([CompletionChoice(index=c.index, text=prompt_texts[c.index // req.n])])
-                       for c in gen.choices]
+        opening = [echo(c) for c in gen.choices] if req.echo and not echo_later else []
         return self._sse_events(req, gen, prompts, opening, render, lambda usage: event([], usage))
 
     def _chat_chunks(self, req: ChatCompletionRequest, gen: _Generation, prompts):

@@ -116,3 +116,57 @@ def test_logprobs_bounds():
             SamplingParams(logprobs=bad)
     SamplingParams(logprobs=0)
     SamplingParams(logprobs=MAX_LOGPROBS)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_prompt_logprobs_over_chunked_prefills(models, arch):
+    """prompt_logprobs: None for the first prompt token, then each token's log-probability and alternatives from
+    the prefill's logits at the position before it, the same whether the prompt is prefilled whole or in chunks
+    that share batches with rows asking for nothing; the first generated token's come with `logprobs`."""
+    engine = models.engine(arch, "noisy")
+    prompts = random_prompts([13, 6, 1], seed=24)
+    asks = [SamplingParams(max_tokens=3, prompt_logprobs=4, logprobs=1), SamplingParams(max_tokens=3),
+            SamplingParams(max_tokens=3, prompt_logprobs=0)]
+    seqs = [admit(engine, p, prm) for p, prm in zip(prompts, asks)]
+    got = [[] for _ in seqs]
+    first = [None] * len(seqs)
+    # chunk plans: row 0 in chunks [0, 5) [5, 6) [6, 13); row 1 whole; row 2 (one token) whole
+    plans = [[(0, 5), (5, 6), (6, 13)], [(0, 6)], [(0, 1)]]
+    for step_i in range(3):
+        chunks = [(i, plan[step_i]) for i, plan in enumerate(plans) if step_i < len(plan)]
+        out = engine.prefill(PrefillBatch(tuple(PrefillChunk(seqs[i].seq_id, a, b) for i, (a, b) in chunks)))
+        for (i, _), o in zip(chunks, out.outputs):
+            if asks[i].prompt_logprobs is None:
+                assert o.prompt_logprobs is None
+            else:
+                got[i].extend(o.prompt_logprobs)
+            if o.token_ids:
+                first[i] = (o.token_ids[0], o.logprobs)
+    model = models._ref_model(arch)
+    for i in (0, 2):
+        prompt, n = prompts[i], asks[i].prompt_logprobs
+        assert len(got[i]) == len(prompt) and got[i][0] is None
+        with torch.inference_mode():
+            ref = torch.log_softmax(model(torch.tensor([prompt + [first[i][0]]])).logits[0].float(), dim=-1)
+        for p in range(1, len(prompt)):
+            lp = got[i][p]
+            assert abs(lp.logprob - ref[p - 1, prompt[p]].item()) < ATOL, f"row {i}, token {p}"
+            assert len(lp.top) == n
+            assert all(abs(v - ref[p - 1, t].item()) < ATOL for t, v in lp.top)
+            assert all(abs(a - b) < ATOL for (_, a), b in zip(lp.top, ref[p - 1].topk(n).values.tolist()))
+    token, logprobs = first[0]
+    assert abs(logprobs[0].logprob - torch.log_softmax(
+        models._ref_model(arch)(torch.tensor([prompts[0]])).logits[0, -1].float(), -1)[token].item()) < ATOL
+    for s in seqs:
+        engine.free(s.seq_id)
+
+
+def test_a_prompt_asking_for_logprobs_is_not_fused(models):
+    """A prefill that could verify drafts (k > 0) still reads every prompt position for prompt_logprobs: the
+    rows get one token each, as an unfused prefill's."""
+    engine = models.engine("llama", "same")
+    prompts = random_prompts([7, 7], seed=25)
+    seqs = [admit(engine, p, SamplingParams(max_tokens=8, prompt_logprobs=2)) for p in prompts]
+    out = engine.prefill(PrefillBatch(tuple(PrefillChunk(s.seq_id, 0, 7) for s in seqs), num_draft_tokens=3))
+    assert [len(o.token_ids) for o in out.outputs] == [1, 1]
+    assert [len(o.prompt_logprobs) for o in out.outputs] == [7, 7]

@@ -317,3 +317,38 @@ def test_an_engine_capacity_error_at_add_makes_the_request_wait_never_fail():
     core.add(req(2, prompt_len=13, max_tokens=3))  # alone, and always refused
     finals = {d.request_id: d for _, d in run_all(core, max_steps=5) if d.finished}
     assert finals["2"].finish_reason == "error" and "KV blocks" in finals["2"].error
+
+
+def test_prompt_logprobs_arrive_once_across_chunks_and_preemptions():
+    """A prompt prefilled in chunks gets its prompt logprobs, one per prompt token, on its first delta only; a
+    request preempted while prefilling computes them again from the start, and one preempted after its prefill
+    is re-added without asking for them (its recomputed prompt holds generated tokens)."""
+    from tests.support.fake_engine import PROMPT_TOKEN
+
+    eng = FakeEngine(block_size=1)
+    # B = 1: request 0's decode steps interleave with request 1's prefill chunks (of 4 tokens)
+    config = SchedulerConfig(max_batch_size=1, pool_size=4, num_speculative_tokens=0, speculation="fixed",
+                             max_prefill_tokens=4)
+    core = SchedulerCore(eng, config)
+    core.add(req(0, prompt_len=3, max_tokens=30, prompt_logprobs=2))
+    deltas = step_until(core, lambda: core.pool and core.pool[0].num_output_tokens > 0)
+    core.add(req(1, prompt_len=12, max_tokens=30, prompt_logprobs=1))
+    deltas += step_until(core, lambda: len(core.pool) == 2 and 0 < core.pool[1].num_prefilled < 12)
+    eng.withheld = eng.num_free_blocks  # the next decode step preempts the newest (request 1, still prefilling)
+    deltas += step_until(core, lambda: core.num_preemptions > 0)
+    eng.withheld = 0
+    deltas += step_until(core, lambda: len(core.pool) == 2 and all(r.num_output_tokens for r in core.pool))
+    eng.withheld = eng.num_free_blocks  # now request 1 is preempted after its prefill
+    deltas += step_until(core, lambda: core.num_preemptions > 1)
+    eng.withheld = 0
+    deltas += run_all(core)
+    for rid, n, length in (("0", 2, 3), ("1", 1, 12)):
+        mine = [d for _, d in deltas if d.request_id == rid]
+        with_prompt = [d for d in mine if d.prompt_logprobs is not None]
+        assert len(with_prompt) == 1 and with_prompt[0] is next(d for d in mine if d.token_ids)
+        assert with_prompt[0].prompt_logprobs == (None,) + tuple(
+            FakeEngine.logprob_at(p, PROMPT_TOKEN, n) for p in range(1, length))
+        assert mine[-1].completion_tokens == 30
+    readds_1 = [(len(prompt), p.prompt_logprobs) for _, prompt, p in eng.added if len(prompt) >= 12]
+    assert readds_1[0] == (12, 1) and (12, 1) in readds_1[1:]  # again from the start after the first preemption
+    assert any(n > 12 and lp is None for n, lp in readds_1)  # not after the second

@@ -151,7 +151,6 @@ def test_logprobs_are_null_unless_asked_for(srv):
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/completions", {"prompt": "a", "logprobs": 21}, "logprobs"),
     ("/completions", {"prompt": "a", "logprobs": -1}, "logprobs"),
-    ("/completions", {"prompt": "a", "logprobs": 2, "echo": True}, "echo"),
     ("/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 21},
      "top_logprobs"),
     ("/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs"),
@@ -161,3 +160,52 @@ def test_bad_logprobs_are_400s_naming_the_field(srv, path, body, param):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
     assert srv.wait_idle()
+
+
+def _score(client, srv, prompts, n=1, stream=False):
+    """lm-evaluation-harness's loglikelihood request (its `local-completions` model): token-id prompts, echo,
+    logprobs 1, max_tokens 1, greedy; returns the choices in prompt order (streamed: rebuilt from the chunks)."""
+    kw = dict(model=srv.model_name, prompt=prompts, max_tokens=1, temperature=0, logprobs=n, echo=True,
+              extra_body={"ignore_eos": True})
+    if not stream:
+        return sorted(client.completions.create(**kw).choices, key=lambda c: c.index)
+    by: dict[int, dict] = {}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            got = by.setdefault(c.index, {"text": "", "tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                          "text_offset": []})
+            got["text"] += c.text
+            if c.logprobs is not None:
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    got[key] += getattr(c.logprobs, key)
+    return [by[i] for i in sorted(by)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_does(srv, client, ref_logprobs, stream):
+    """Prompt tokens first (the first with None), each with the target's log-probability given the tokens before
+    it, then the generated token: lm-eval's loglikelihood (the sum over the continuation's tokens) and is-greedy
+    (each token's value the largest of its top_logprobs) read off it, the same streamed or not."""
+    tok = srv.engine.tokenizer
+    contexts, continuations = [[11, 57, 203], [77, 31, 250, 18]], [[9, 140, 5], [66, 90]]
+    prompts = [c + x for c, x in zip(contexts, continuations)]
+    choices = _score(client, srv, prompts, stream=stream)
+    for prompt, ctx, cont, choice in zip(prompts, contexts, continuations, choices):
+        lp = choice if stream else choice.logprobs.model_dump()
+        text = choice["text"] if stream else choice.text
+        assert text.startswith(tok.decode(prompt))
+        assert lp["tokens"][: len(prompt)] == [_text_of(tok, t) for t in prompt] and len(lp["tokens"]) == len(prompt) + 1
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        output = [next(i for i in range(tok.vocab_size) if _text_of(tok, i) == lp["tokens"][-1])]
+        ref = ref_logprobs(prompt[:1], prompt[1:] + output)  # row j: the token at position j + 1
+        for j, t in enumerate(prompt[1:]):
+            assert abs(lp["token_logprobs"][j + 1] - ref[j, t].item()) < ATOL, j
+        score = sum(lp["token_logprobs"][len(ctx): len(prompt)])
+        assert abs(score - sum(ref[j - 1, prompt[j]].item() for j in range(len(ctx), len(prompt)))) < 1e-3
+        greedy = all(v == max(top.values()) for v, top in zip(lp["token_logprobs"][len(ctx): len(prompt)],
+                                                                lp["top_logprobs"][len(ctx): len(prompt)]))
+        assert greedy == all(ref[j - 1].argmax().item() == prompt[j] for j in range(len(ctx), len(prompt)))
+        offsets = [0]
+        for t in lp["tokens"][:-1]:
+            offsets.append(offsets[-1] + len(t))
+        assert lp["text_offset"] == offsets

@@ -15,6 +15,7 @@ from exspec.engine.types import PrefillBatch, SeqOutput, StepBatch, StepOutput, 
 from exspec.errors import CapacityError, InvalidRequestError
 
 EOS = 2
+PROMPT_TOKEN = 1000  # the token the fake's prompt logprobs name (it does not keep prompts)
 
 
 @dataclass
@@ -163,15 +164,21 @@ class FakeEngine:
             seq = self.seqs[c.seq_id]
             assert c.start == seq.num_prefilled < c.end <= seq.prompt_len <= seq.num_blocks * self.block_size
             seq.num_prefilled = c.end
+            prompt_logprobs = None
+            if seq.params.prompt_logprobs is not None:  # the engine's rule: the chunk's logits predict start + 1 ..
+                n = seq.params.prompt_logprobs
+                prompt_logprobs = ((None,) if c.start == 0 else ()) + tuple(
+                    self.logprob_at(p, PROMPT_TOKEN, n) for p in range(c.start + 1, min(c.end, seq.prompt_len - 1) + 1))
             if c.end < seq.prompt_len:
-                outs.append(SeqOutput(c.seq_id, (), 0, 0))
+                outs.append(SeqOutput(c.seq_id, (), 0, 0, prompt_logprobs=prompt_logprobs))
                 continue
             row_k = min(k, self.max_model_len - 1 - seq.prompt_len) if seq.params.use_speculation else 0
             seq.num_blocks += self.blocks_needed(seq.seq_id, seq.prompt_len + row_k)
             a = min(self.accept(seq, row_k), row_k) if row_k else 0
             for i in range(a):
                 per_pos[i] += 1
-            outs.append(replace(self._emit(seq, a + 1), num_draft_tokens=row_k, num_accepted=a))
+            outs.append(replace(self._emit(seq, a + 1), num_draft_tokens=row_k, num_accepted=a,
+                                prompt_logprobs=prompt_logprobs))
         return StepOutput(tuple(outs), "prefill", len(outs), k, tuple(per_pos), 0.0,
                           self.step_seconds if not callable(self.step_seconds) else 0.0)
 
