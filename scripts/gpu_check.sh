@@ -148,12 +148,12 @@ EOF
 fi
 PYTEST=("$PYTHON" -m pytest -q -p no:cacheprovider)
 
-# 1. Tests: the Triton kernel compiled for the GPU, every test marked `gpu`, bf16 equivalence on the four
-#    architectures on the GPU (tests/engine/test_engine_bf16.py runs all four where CUDA is).
+# 1. Tests: the Triton kernel compiled for the GPU, every test marked `gpu` (and logprobs on the device), bf16
+#    equivalence on the four architectures on the GPU (tests/engine/test_engine_bf16.py runs all four where CUDA is).
 if [ "$HAVE_PYTEST" = 1 ]; then
     stage kernel-tests 100 "${PYTEST[@]}" tests/engine/test_paged_kernel.py --junitxml "$OUT_DIR/kernel-tests.xml"
     stage gpu-tests 120 "${PYTEST[@]}" tests/engine/test_fullgraph.py tests/engine/test_attention_backends.py \
-        tests/engine/test_cuda_graphs.py \
+        tests/engine/test_cuda_graphs.py tests/engine/test_logprobs.py \
         --junitxml "$OUT_DIR/gpu-tests.xml"
     stage bf16-equivalence 120 "${PYTEST[@]}" tests/engine/test_engine_bf16.py --junitxml "$OUT_DIR/bf16-equivalence.xml"
 else

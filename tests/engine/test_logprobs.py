@@ -43,7 +43,7 @@ def _run(engine, prompts, params, k: int, prefill_k: int = 0):
             for ids, lps, p in zip(out_ids, out_lps, params)]
 
 
-def _check(models, arch, prompt, ids, lps, n, greedy=False):
+def _check(models, arch, prompt, ids, lps, n, greedy=False, atol=ATOL):
     """lps against log_softmax of the target's logits over prompt + ids: the chosen token's value (greedy: the
     largest), and n alternatives that are the n most likely (values in order; each id's own value right)."""
     model = models._ref_model(arch)
@@ -52,15 +52,15 @@ def _check(models, arch, prompt, ids, lps, n, greedy=False):
         ref = torch.log_softmax(model(seq).logits[0].float(), dim=-1)[len(prompt) - 1 : -1]  # [len(ids), V]
     assert len(lps) == len(ids)
     for j, (tok, lp) in enumerate(zip(ids, lps)):
-        assert abs(lp.logprob - ref[j, tok].item()) < ATOL, f"position {j}"
+        assert abs(lp.logprob - ref[j, tok].item()) < atol, f"position {j}"
         if greedy:
-            assert abs(lp.logprob - ref[j].max().item()) < ATOL, f"position {j}"
+            assert abs(lp.logprob - ref[j].max().item()) < atol, f"position {j}"
         assert len(lp.top) == n
         best = ref[j].topk(n).values.tolist()
         got = [v for _, v in lp.top]
         assert got == sorted(got, reverse=True)
-        assert all(abs(a - b) < ATOL for a, b in zip(got, best)), f"position {j}"
-        assert all(abs(v - ref[j, t].item()) < ATOL for t, v in lp.top), f"position {j}"
+        assert all(abs(a - b) < atol for a, b in zip(got, best)), f"position {j}"
+        assert all(abs(v - ref[j, t].item()) < atol for t, v in lp.top), f"position {j}"
         assert len({t for t, _ in lp.top}) == n
 
 
@@ -170,3 +170,31 @@ def test_a_prompt_asking_for_logprobs_is_not_fused(models):
     out = engine.prefill(PrefillBatch(tuple(PrefillChunk(s.seq_id, 0, 7) for s in seqs), num_draft_tokens=3))
     assert [len(o.token_ids) for o in out.outputs] == [1, 1]
     assert [len(o.prompt_logprobs) for o in out.outputs] == [7, 7]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="logprobs on the device: CUDA only (scripts/gpu_check.sh)")
+def test_logprobs_on_the_device(models):
+    """The same checks with the engine on CUDA (fp32): the float64 read-back of tokens and logprobs, top-k on the
+    device, a fused prefill, prompt logprobs; against the CPU reference within 1e-3."""
+    import copy
+
+    from exspec.engine import EngineConfig, ModelPair, SpecEngine
+
+    base = models.pair("llama", "noisy")
+    pair = ModelPair(copy.deepcopy(base.target).to("cuda"), copy.deepcopy(base.draft).to("cuda"), base.tokenizer,
+                     base.vocab_size, base.eos_token_ids, "fp32")
+    target_dir, _ = models.dirs("llama")
+    engine = SpecEngine(EngineConfig(model=target_dir, device="cuda", max_num_seqs=16, max_model_len=256), pair=pair)
+    prompts = random_prompts([5, 9, 12], seed=26)
+    params = [SamplingParams(max_tokens=10, logprobs=3), SamplingParams(max_tokens=10),
+              SamplingParams(max_tokens=10, logprobs=2, temperature=0.8, seed=7)]
+    for (ids, lps), prompt, prm in zip(_run(engine, prompts, params, 3, prefill_k=2), prompts, params):
+        if prm.logprobs is not None:
+            _check(models, "llama", prompt, ids, lps, prm.logprobs, greedy=prm.greedy, atol=1e-3)
+    seq = admit(engine, prompts[2], SamplingParams(max_tokens=2, prompt_logprobs=2))
+    out = engine.prefill(PrefillBatch((PrefillChunk(seq.seq_id, 0, 12),))).outputs[0]
+    assert len(out.prompt_logprobs) == 12 and out.prompt_logprobs[0] is None
+    with torch.inference_mode():
+        ref = torch.log_softmax(models._ref_model("llama")(torch.tensor([prompts[2]])).logits[0].float(), dim=-1)
+    assert all(abs(out.prompt_logprobs[p].logprob - ref[p - 1, prompts[2][p]].item()) < 1e-3 for p in range(1, 12))
+    engine.free(seq.seq_id)
