@@ -211,6 +211,9 @@ class SpecEngine:
             n = getattr(params, name)
             if n is not None and n > self.vocab_size:
                 raise InvalidRequestError(f"{name} must be in [0, {self.vocab_size}], got {n}")
+        out = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if out:
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {self.vocab_size}), got {out[:5]}")
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise InvalidRequestError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
@@ -241,7 +244,14 @@ class SpecEngine:
             self.blocks.free(slot)
             self.allocator.free(slot)
             raise
-        self._seqs[seq_id] = SeqState(slot=slot, prompt_len=n, params=params, seed=seed, length=n)
+        state = SeqState(slot=slot, prompt_len=n, params=params, seed=seed, length=n)
+        if params.min_tokens:  # the ids it suppresses, on the device once (no host copy in a step)
+            state.stop_ids = to_device([t for t in (*self.eos_token_ids, *params.stop_token_ids)
+                                        if t < self.vocab_size], self.device)
+        if params.logit_bias:
+            state.bias = (to_device([t for t, _ in params.logit_bias], self.device),
+                          to_device([v for _, v in params.logit_bias], self.device, torch.float32))
+        self._seqs[seq_id] = state
 
     def free(self, seq_id: int) -> None:
         """Give the sequence's slot and blocks back (a no-op for an unknown id). Its stale K/V is simply
@@ -304,7 +314,7 @@ class SpecEngine:
             raw = every.gather(1, last[:, :, None].expand(-1, -1, every.shape[-1]))  # [B, 1, V]
         rows = self._row_params(states, slot_t)
         positions = to_device([st.prompt_len for st in states], dev)[:, None]  # [B, 1]
-        logits = self._suppress_stops(raw, states, [0] * len(states))
+        logits = self._adjust(raw, states, [0] * len(states))
         first = self._sample(logits, rows, positions)[:, 0]  # [B]
         self.token_buf[slot_t, positions[:, 0]] = first
         t2 = self._clock.mark()
@@ -376,7 +386,7 @@ class SpecEngine:
         wide = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], k)], dim=1)  # [B, Q + k]
         wide.scatter_(1, last + 1 + cols[None, :k], draft.tokens)
         raw = self.target.extend(wide, starts, list(plan.slots), select=last + cols[None, :])  # [B, k + 1, V]
-        logits = self._suppress_stops(raw, plan.states, list(plan.generated))
+        logits = self._adjust(raw, plan.states, list(plan.generated))
         out_tokens, num_accepted = self._accept(plan, draft, logits)
         t3 = self._clock.mark()
         for chunk, st in zip(chunks, plan.states):
@@ -401,7 +411,7 @@ class SpecEngine:
         draft = self._propose(plan, draft_lens) if plan.k > 0 else None
         t1 = self._clock.mark()
         raw = self._verify(plan, draft)  # [B, k + 1, V]
-        logits = self._suppress_stops(raw, plan.states, list(plan.generated))
+        logits = self._adjust(raw, plan.states, list(plan.generated))
         tokens, num_accepted = self._accept(plan, draft, logits)  # [B, k + 1], [B]
         t2 = self._clock.mark()
         return self._commit(plan, tokens, num_accepted, raw, (t0, t1), (t1, t2), (t0, tc) if caught_up else None)
@@ -501,7 +511,7 @@ class SpecEngine:
         mixed = not plan.grouped
         proposed, probs = [], []
         for i in range(plan.k):
-            logits = self._suppress_stops(logits, plan.states, [g + i for g in plan.generated])
+            logits = self._adjust(logits, plan.states, [g + i for g in plan.generated])
             pos = plan.len_t[:, None] + i  # [B, 1]: where draft token i + 1 would land
             if plan.rows.any_sampling:
                 q = process_probs(logits, plan.rows)  # [B, 1, V]
@@ -645,25 +655,33 @@ class SpecEngine:
             return logits.argmax(-1)
         return sample_from_probs(process_probs(logits, rows), rows.seeds, positions, STREAM_TARGET)
 
-    def _suppress_stops(self, logits: torch.Tensor, states, generated: list[int]) -> torch.Tensor:
-        """min_tokens: EOS and stop ids get zero probability while fewer than min_tokens are generated.
+    def _adjust(self, logits: torch.Tensor, states, generated: list[int]) -> torch.Tensor:
+        """The request's changes to a model's raw logits, before temperature and the filters: logit_bias added,
+        then (min_tokens) EOS and stop ids at zero probability while fewer than min_tokens are generated. Rows
+        using neither cost nothing; the rows that do are built on the device from tensors made at `add` (a rare
+        path: a loop over those rows, no host copy).
 
         logits: [B, Q, V]; column j of row b produces generated token number generated[b] + j.
         """
+        biased = [b for b, st in enumerate(states) if st.bias is not None]
+        if biased:
+            bias = torch.zeros(logits.shape[0], logits.shape[-1], device=logits.device)  # [B, V]
+            for b in biased:
+                ids, values = states[b].bias
+                bias[b].index_copy_(0, ids, values)
+            logits = logits + bias[:, None, :]
         active = [st.params.min_tokens > g for st, g in zip(states, generated)]
         if not any(active):
             return logits
         batch, q_len, vocab = logits.shape
-        banned = torch.zeros(batch, vocab + 1, dtype=torch.bool)  # built on the host: rare path
+        dev = logits.device
+        banned = torch.zeros(batch, vocab, dtype=torch.bool, device=dev)  # [B, V]
         for b, (st, on) in enumerate(zip(states, active)):
             if on:
-                ids = [t for t in (*self.eos_token_ids, *st.params.stop_token_ids) if t < vocab]
-                banned[b, ids] = True
-        dev = logits.device
+                banned[b].index_fill_(0, st.stop_ids, True)
         need = to_device([st.params.min_tokens - g for st, g in zip(states, generated)], dev)  # [B]
         cols_on = torch.arange(q_len, device=dev)[None, :] < need[:, None]  # [B, Q]
-        mask = cols_on[:, :, None] & banned[:, None, :vocab].to(dev, non_blocking=True)  # [B, Q, V]
-        return logits.masked_fill(mask, float("-inf"))
+        return logits.masked_fill(cols_on[:, :, None] & banned[:, None, :], float("-inf"))
 
     def _warm_up(self) -> None:
         """Allocate both pools and run each model once, so the first request pays no set-up cost."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from exspec.errors import InvalidRequestError
 
+LOGIT_BIAS_MAX = 100.0  # |bias| at most, as OpenAI's logit_bias
 MAX_LOGPROBS = 20  # alternatives a token's logprobs list at most (vLLM's default max_logprobs; OpenAI's top_logprobs)
 
 
@@ -25,6 +26,9 @@ class SamplingParams:
     # temperature, top-k / top-p and min_tokens, as vLLM's default "raw_logprobs") and the n most likely tokens'
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (its prefill's logits)
+    # (token id, bias) pairs added to the target's and the draft's logits before min_tokens, temperature and the
+    # filters (OpenAI's logit_bias); each id once
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str, value: object) -> None:
@@ -46,6 +50,11 @@ class SamplingParams:
             n = getattr(self, name)
             if n is not None and not (type(n) is int and 0 <= n <= MAX_LOGPROBS):
                 bad(name, f"None or an integer in [0, {MAX_LOGPROBS}]", n)
+        ids = [t for t, _ in self.logit_bias]
+        if any(type(t) is not int or t < 0 for t in ids) or len(set(ids)) != len(ids):
+            bad("logit_bias", "distinct non-negative token ids", ids[:5])
+        if not all(-LOGIT_BIAS_MAX <= v <= LOGIT_BIAS_MAX for _, v in self.logit_bias):  # NaN fails too
+            bad("logit_bias", f"values in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]", [v for _, v in self.logit_bias][:5])
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "non-negative integers", self.stop_token_ids)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from exspec.engine.params import SamplingParams
 
 
@@ -29,6 +31,8 @@ class SeqState:
     length: int  # tokens in token_buf[slot]: prompt + every token sampled so far (pending one included)
     num_prefilled: int = 0  # prompt tokens already in both caches (chunked prefill)
     draft_len: int = 0  # draft KV valid for positions [0, draft_len)
+    stop_ids: torch.Tensor | None = None  # [n] long on device: EOS and stop ids (min_tokens suppresses them)
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias: ids [m] long, values [m] float, on device
 
     @property
     def num_generated(self) -> int:

@@ -1,6 +1,6 @@
 """exspec scheduler: asyncio request queue feeding the EXSPEC sliding pool of same-length groups.
 
-`SamplingParams` (with MAX_LOGPROBS) and `TokenLogprob` are re-exported: what a request asks for and what it gets
+`SamplingParams` (with its bounds LOGIT_BIAS_MAX and MAX_LOGPROBS) and `TokenLogprob` are re-exported: what a request asks for and what it gets
 back are part of the scheduler's interface to the server.
 The public names are imported on first use (PEP 562), so that the torch-free types.py (SchedulerConfig, whose
 defaults the command line's settings read) is imported without torch."""
@@ -17,6 +17,7 @@ _EXPORTS = {
     "BatchChoice": "exspec.scheduler.policy",
     "Candidate": "exspec.scheduler.policy",
     "EngineProtocol": "exspec.scheduler.core",
+    "LOGIT_BIAS_MAX": "exspec.engine.params",
     "MAX_LOGPROBS": "exspec.engine.params",
     "OfflineResult": "exspec.scheduler.offline",
     "OfflineRun": "exspec.scheduler.offline",
@@ -41,7 +42,7 @@ __getattr__ = lazy_exports(__name__, _EXPORTS, globals())
 
 
 if TYPE_CHECKING:
-    from exspec.engine.params import MAX_LOGPROBS, SamplingParams
+    from exspec.engine.params import LOGIT_BIAS_MAX, MAX_LOGPROBS, SamplingParams
     from exspec.engine.types import TokenLogprob
     from exspec.scheduler.async_scheduler import AsyncScheduler, RequestStream
     from exspec.scheduler.core import EngineProtocol, SchedulerCore

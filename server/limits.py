@@ -4,7 +4,7 @@ after these checks nothing a request carries can overflow a tensor or slow the s
 
 from __future__ import annotations
 
-from exspec.scheduler import MAX_LOGPROBS
+from exspec.scheduler import LOGIT_BIAS_MAX, MAX_LOGPROBS
 from exspec.server.config import ServerConfig
 from exspec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
@@ -56,6 +56,24 @@ def check_logprobs(req: CompletionRequest | ChatCompletionRequest, vocab_size: i
         raise _bad("top_logprobs", f"in [0, {most}]", req.top_logprobs)
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+
+def engine_logit_bias(req: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """logit_bias as the engine takes it: (token id, bias) pairs, each key a token id written in decimal, in the
+    vocabulary, once; each bias in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX] (OpenAI's -100 to 100)."""
+    if not req.logit_bias:
+        return ()
+    pairs = {}
+    for key, value in req.logit_bias.items():
+        text = key.strip()
+        if not (text.isascii() and text.isdigit() and int(text) < vocab_size):
+            raise _bad("logit_bias", f"keyed by token ids in [0, {vocab_size}) written in decimal", key)
+        if int(text) in pairs:
+            raise _bad("logit_bias", "keyed by distinct token ids", key)
+        if not -LOGIT_BIAS_MAX <= value <= LOGIT_BIAS_MAX:
+            raise _bad("logit_bias", f"values in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]", value)
+        pairs[int(text)] = float(value)
+    return tuple(sorted(pairs.items()))
 
 
 def check_min_tokens(req, max_tokens: int) -> None:

@@ -121,8 +121,6 @@ class _SamplingFields(_Request):
             bad.append("presence_penalty")
         if self.repetition_penalty not in (None, 1.0):
             bad.append("repetition_penalty")
-        if self.logit_bias:
-            bad.append("logit_bias")
         return bad
 
 

@@ -209,3 +209,22 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_does(srv, client, ref_l
         for t in lp["tokens"][:-1]:
             offsets.append(offsets[-1] + len(t))
         assert lp["text_offset"] == offsets
+
+
+def test_logit_bias_over_http(srv, client):
+    """OpenAI's logit_bias (token ids as decimal strings, -100 to 100): a +100 token is the whole greedy output,
+    a -100 one never appears, with speculation on; bad keys and values are 400s naming logit_bias."""
+    kw = dict(model=srv.model_name, prompt=PROMPTS[1], max_tokens=8, temperature=0,
+              extra_body={"return_token_ids": True, "ignore_eos": True})
+    plain = client.completions.create(**kw).choices[0].token_ids
+    forced = client.completions.create(logit_bias={"123": 100}, **kw).choices[0].token_ids
+    assert forced == [123] * 8
+    banned = client.completions.create(logit_bias={str(plain[0]): -100}, **kw).choices[0].token_ids
+    assert plain[0] not in banned
+    chat = client.chat.completions.create(model=srv.model_name, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=4, temperature=0, logit_bias={"123": 100},
+                                          extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert chat.choices[0].token_ids == [123] * 4
+    for bias in ({"abc": 1}, {"-3": 1}, {str(srv.engine.vocab_size): 1}, {"5": 100.5}, {"5": 1, "05": 2}):
+        r = httpx.post(srv.v1 + "/completions", json={"prompt": "a", "logit_bias": bias}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", (bias, r.text)
