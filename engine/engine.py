@@ -226,6 +226,8 @@ class SpecEngine:
         self.check_prompt(prompt_token_ids)
         self.check_params(params)
         n = len(prompt_token_ids)
+        if params.recomputed >= n:
+            raise InvalidRequestError(f"recomputed must be below the prompt's {n} tokens, got {params.recomputed}")
         need = self.blocks_needed(None, n)
         if need > self.blocks.num_free_blocks:
             raise CapacityError(f"the prompt needs {need} KV blocks, {self.blocks.num_free_blocks} of {self.num_blocks} are free")
@@ -314,7 +316,7 @@ class SpecEngine:
             raw = every.gather(1, last[:, :, None].expand(-1, -1, every.shape[-1]))  # [B, 1, V]
         rows = self._row_params(states, slot_t)
         positions = to_device([st.prompt_len for st in states], dev)[:, None]  # [B, 1]
-        logits = self._adjust(raw, states, [0] * len(states))
+        logits = self._adjust(raw, states, [0] * len(states), (slot_t, [st.prompt_len for st in states], None))
         first = self._sample(logits, rows, positions)[:, 0]  # [B]
         self.token_buf[slot_t, positions[:, 0]] = first
         t2 = self._clock.mark()
@@ -386,7 +388,7 @@ class SpecEngine:
         wide = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], k)], dim=1)  # [B, Q + k]
         wide.scatter_(1, last + 1 + cols[None, :k], draft.tokens)
         raw = self.target.extend(wide, starts, list(plan.slots), select=last + cols[None, :])  # [B, k + 1, V]
-        logits = self._adjust(raw, plan.states, list(plan.generated))
+        logits = self._adjust(raw, plan.states, list(plan.generated), (plan.slot_t, plan.lengths, draft.tokens))
         out_tokens, num_accepted = self._accept(plan, draft, logits)
         t3 = self._clock.mark()
         for chunk, st in zip(chunks, plan.states):
@@ -411,7 +413,8 @@ class SpecEngine:
         draft = self._propose(plan, draft_lens) if plan.k > 0 else None
         t1 = self._clock.mark()
         raw = self._verify(plan, draft)  # [B, k + 1, V]
-        logits = self._adjust(raw, plan.states, list(plan.generated))
+        drafts = draft.tokens if draft is not None else None
+        logits = self._adjust(raw, plan.states, list(plan.generated), (plan.slot_t, plan.lengths, drafts))
         tokens, num_accepted = self._accept(plan, draft, logits)  # [B, k + 1], [B]
         t2 = self._clock.mark()
         return self._commit(plan, tokens, num_accepted, raw, (t0, t1), (t1, t2), (t0, tc) if caught_up else None)
@@ -511,7 +514,9 @@ class SpecEngine:
         mixed = not plan.grouped
         proposed, probs = [], []
         for i in range(plan.k):
-            logits = self._adjust(logits, plan.states, [g + i for g in plan.generated])
+            before = torch.cat(proposed, dim=1) if proposed else None  # [B, i]: the drafts before this one
+            context = (plan.slot_t, plan.lengths, before)
+            logits = self._adjust(logits, plan.states, [g + i for g in plan.generated], context)
             pos = plan.len_t[:, None] + i  # [B, 1]: where draft token i + 1 would land
             if plan.rows.any_sampling:
                 q = process_probs(logits, plan.rows)  # [B, 1, V]
@@ -655,13 +660,14 @@ class SpecEngine:
             return logits.argmax(-1)
         return sample_from_probs(process_probs(logits, rows), rows.seeds, positions, STREAM_TARGET)
 
-    def _adjust(self, logits: torch.Tensor, states, generated: list[int]) -> torch.Tensor:
-        """The request's changes to a model's raw logits, before temperature and the filters: logit_bias added,
-        then (min_tokens) EOS and stop ids at zero probability while fewer than min_tokens are generated. Rows
-        using neither cost nothing; the rows that do are built on the device from tensors made at `add` (a rare
-        path: a loop over those rows, no host copy).
+    def _adjust(self, logits: torch.Tensor, states, generated: list[int], context) -> torch.Tensor:
+        """The request's changes to a model's raw logits, before temperature and the filters, in vLLM's order:
+        logit_bias added, the penalties (`_penalize`), then (min_tokens) EOS and stop ids at zero probability while
+        fewer than min_tokens are generated. Rows using none cost nothing; the rows that do are built on the device
+        (a rare path: loops over those rows, from tensors made at `add`, no host copy).
 
-        logits: [B, Q, V]; column j of row b produces generated token number generated[b] + j.
+        logits: [B, Q, V]; column j of row b produces generated token number generated[b] + j. context: (slot_t
+        [B], each row's length before the logits' tokens [B] host, the drafts before them [B, D] or None).
         """
         biased = [b for b, st in enumerate(states) if st.bias is not None]
         if biased:
@@ -670,6 +676,8 @@ class SpecEngine:
                 ids, values = states[b].bias
                 bias[b].index_copy_(0, ids, values)
             logits = logits + bias[:, None, :]
+        if any(st.params.has_penalties for st in states):
+            logits = self._penalize(logits, states, *context)
         active = [st.params.min_tokens > g for st, g in zip(states, generated)]
         if not any(active):
             return logits
@@ -682,6 +690,34 @@ class SpecEngine:
         need = to_device([st.params.min_tokens - g for st, g in zip(states, generated)], dev)  # [B]
         cols_on = torch.arange(q_len, device=dev)[None, :] < need[:, None]  # [B, Q]
         return logits.masked_fill(cols_on[:, :, None] & banned[:, None, :], float("-inf"))
+
+    def _penalize(self, logits: torch.Tensor, states, slot_t: torch.Tensor, lengths: list[int],
+                  drafts: torch.Tensor | None) -> torch.Tensor:
+        """Repetition, frequency and presence penalties (vLLM's apply_penalties). Column j of row b comes after
+        the row's tokens [0, lengths[b]) in token_buf and its first j + D + 1 - Q drafts: a verify's column j
+        (Q = D + 1) after d_1 .. d_j, a draft forward's (Q = 1) after all D. The output: the tokens past the
+        engine's prompt, its last `recomputed` prompt tokens and the drafts (repetition also counts the prompt).
+
+        logits: [B, Q, V] -> [B, Q, V]; rows without penalties unchanged (their factors are 1 and 0).
+        """
+        batch, q_len, vocab = logits.shape
+        dev = logits.device
+        cols = torch.arange(max(lengths), device=dev)  # [L]
+        tokens = self.token_buf[slot_t[:, None], cols[None, :]]  # [B, L]
+        held = (cols[None, :] < to_device(lengths, dev)[:, None]).float()  # [B, L]: in the row's context
+        out_from = to_device([st.prompt_len - st.params.recomputed for st in states], dev)  # [B]
+        output = held * (cols[None, :] >= out_from[:, None])  # [B, L]: in its output
+        seen = torch.zeros(batch, vocab, device=dev).scatter_add_(1, tokens, held)[:, None, :]  # [B, 1, V]
+        counts = torch.zeros(batch, vocab, device=dev).scatter_add_(1, tokens, output)[:, None, :]  # [B, 1, V]
+        if drafts is not None and drafts.shape[1] > 0:
+            d = drafts.shape[1]
+            onehot = torch.zeros(batch, d, vocab, device=dev).scatter_(2, drafts[:, :, None], 1.0)  # [B, D, V]
+            before = torch.cat([onehot.new_zeros(batch, 1, vocab), onehot.cumsum(1)], dim=1)[:, d + 1 - q_len:]
+            seen, counts = seen + before, counts + before  # [B, Q, V]
+        rep, freq, pres = (to_device([getattr(st.params, f) for st in states], dev, torch.float32)[:, None, None]
+                           for f in ("repetition_penalty", "frequency_penalty", "presence_penalty"))  # [B, 1, 1]
+        logits = torch.where(seen > 0, torch.where(logits > 0, logits / rep, logits * rep), logits)
+        return logits - freq * counts - pres * (counts > 0).float()
 
     def _warm_up(self) -> None:
         """Allocate both pools and run each model once, so the first request pays no set-up cost."""

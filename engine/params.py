@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from exspec.errors import InvalidRequestError
 
+PENALTY_MAX = 2.0  # |presence_penalty|, |frequency_penalty| at most (OpenAI's range)
+REPETITION_PENALTY_MAX = 10.0  # repetition_penalty in (0, this]
 LOGIT_BIAS_MAX = 100.0  # |bias| at most, as OpenAI's logit_bias
 MAX_LOGPROBS = 20  # alternatives a token's logprobs list at most (vLLM's default max_logprobs; OpenAI's top_logprobs)
 
@@ -29,6 +31,12 @@ class SamplingParams:
     # (token id, bias) pairs added to the target's and the draft's logits before min_tokens, temperature and the
     # filters (OpenAI's logit_bias); each id once
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Penalties on the target's and the draft's logits (after logit_bias), counted over the output so far and, at a
+    # verify position, the drafts before it (what the target alone would have generated there), as vLLM's:
+    presence_penalty: float = 0.0  # subtracted from a token's logit once the output holds it (OpenAI)
+    frequency_penalty: float = 0.0  # subtracted once per time the output holds the token (OpenAI)
+    repetition_penalty: float = 1.0  # a token in the prompt or the output: logit / r if positive, else x r (HF)
+    recomputed: int = 0  # of the prompt's tokens, the last `recomputed` are output generated before a preemption
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str, value: object) -> None:
@@ -50,6 +58,13 @@ class SamplingParams:
             n = getattr(self, name)
             if n is not None and not (type(n) is int and 0 <= n <= MAX_LOGPROBS):
                 bad(name, f"None or an integer in [0, {MAX_LOGPROBS}]", n)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -PENALTY_MAX <= getattr(self, name) <= PENALTY_MAX:
+                bad(name, f"in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}]", getattr(self, name))
+        if not 0.0 < self.repetition_penalty <= REPETITION_PENALTY_MAX:
+            bad("repetition_penalty", f"in (0, {REPETITION_PENALTY_MAX:g}] (1: off)", self.repetition_penalty)
+        if type(self.recomputed) is not int or self.recomputed < 0:
+            bad("recomputed", "an integer >= 0", self.recomputed)
         ids = [t for t, _ in self.logit_bias]
         if any(type(t) is not int or t < 0 for t in ids) or len(set(ids)) != len(ids):
             bad("logit_bias", "distinct non-negative token ids", ids[:5])
@@ -57,6 +72,10 @@ class SamplingParams:
             bad("logit_bias", f"values in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]", [v for _, v in self.logit_bias][:5])
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "non-negative integers", self.stop_token_ids)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:

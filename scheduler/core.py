@@ -317,8 +317,9 @@ class SchedulerCore:
         if params.prompt_logprobs is not None and not self._wants_prompt_logprobs(req):
             params = replace(params, prompt_logprobs=None)  # re-added after its prompt's were delivered
         done = req.num_output_tokens
-        if done:
-            params = replace(params, max_tokens=params.max_tokens - done, min_tokens=max(params.min_tokens - done, 0))
+        if done:  # (the penalties count the recomputed output as output)
+            params = replace(params, max_tokens=params.max_tokens - done, min_tokens=max(params.min_tokens - done, 0),
+                             recomputed=done)
         return params
 
     @staticmethod

@@ -4,7 +4,7 @@ Requests ignore unknown fields (`extra="ignore"`), so clients written for OpenAI
 Every field is bounded here as far as a static bound goes: integers within int64 (except `seed`, any
 integer, reduced by the server), no NaN or infinity, no lone UTF-16 surrogates in any string. Bounds that
 depend on the model or on the server's settings (vocabulary, `--max-n`, ...) are checked by
-`server/limits.py`. Fields exspec cannot honour (penalties, tools, ...) are accepted by the model
+`server/limits.py`. Fields exspec cannot honour (tools, ...) are accepted by the model
 and refused with a 400 by `unsupported_fields()`, naming the field, rather than silently ignored.
 """
 
@@ -91,9 +91,9 @@ class _SamplingFields(_Request):
     use_speculation: bool = True  # exspec extension: False decodes this request without drafts
     return_token_ids: bool = False  # vLLM extension: each choice also carries its token ids
     # Accepted so that the refusal can name them (see unsupported_fields).
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None  # OpenAI's, [-2, 2]; bounds: engine/params.py
+    presence_penalty: float | None = None  # OpenAI's, [-2, 2]
+    repetition_penalty: float | None = None  # vLLM's extension, (0, 10], 1: off
     logit_bias: dict[Text, float] | None = None
     user: Text | None = None
 
@@ -113,16 +113,6 @@ class _SamplingFields(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _common_unsupported(self) -> list[str]:
-        bad = []
-        if self.frequency_penalty:
-            bad.append("frequency_penalty")
-        if self.presence_penalty:
-            bad.append("presence_penalty")
-        if self.repetition_penalty not in (None, 1.0):
-            bad.append("repetition_penalty")
-        return bad
-
 
 class CompletionRequest(_SamplingFields):
     # A string, a list of strings, a list of token ids, or a list of token-id lists (one prompt each).
@@ -141,7 +131,7 @@ class CompletionRequest(_SamplingFields):
         return self.logprobs if self.echo else None
 
     def unsupported_fields(self) -> list[str]:
-        bad = self._common_unsupported()
+        bad = []
         if self.best_of is not None and self.best_of != self.n:
             bad.append("best_of")
         if self.suffix:
@@ -192,7 +182,7 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def unsupported_fields(self) -> list[str]:
-        bad = self._common_unsupported()
+        bad = []
         if self.tools:
             bad.append("tools")
         if self.tool_choice not in _NO_TOOL:

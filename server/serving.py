@@ -398,6 +398,9 @@ class OpenAIServing:
             logprobs=req.engine_logprobs(),
             prompt_logprobs=req.engine_prompt_logprobs(),
             logit_bias=limits.engine_logit_bias(req, self.vocab_size),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         )
 
     def _submit(self, req, prompts: list[list[int]], max_tokens: int, base_id: str, arrival: float) -> _Generation:

@@ -83,6 +83,7 @@ TRITON_TOO_SLOW_INTERPRETED = {
     "test_speculative_samples_follow_target_distribution",
     "test_fused_prefill_samples_follow_target_distribution",
     "test_statistical_check_has_power",
+    "test_penalised_samples_follow_the_penalised_target",
     # 20 to 60 s each interpreted; the shapes they give attention (Q = 1 and k + 1 over mixed lengths, rows
     # rejecting or accepting every draft, reused slots and blocks) are the kept scenarios' and the backend tests'
     "test_always_disagreeing_draft_matches_target",  # as test_mixed_lengths_batch_matches_target's rollbacks

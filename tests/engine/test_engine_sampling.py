@@ -105,14 +105,17 @@ def g_test_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float
     return float(chi2.sf(g, dof))
 
 
-def sample_three(engine: SpecEngine, k: int, temperature: float, top_k: int, top_p: float, prefill_k: int = 0):
-    """N_BATCH * N_ROUNDS sequences (seeds 0, 1, ...), 3 tokens each. Returns counts [V, V, V], the
-    number of draft tokens proposed and accepted, and how many rows emitted token 2 after a rejection."""
+def sample_three(engine: SpecEngine, k: int, temperature: float, top_k: int, top_p: float, prefill_k: int = 0,
+                 **extra):
+    """N_BATCH * N_ROUNDS sequences (seeds 0, 1, ...), 3 tokens each (`extra`: more SamplingParams fields).
+    Returns counts [V, V, V], the number of draft tokens proposed and accepted, and how many rows emitted token
+    2 after a rejection."""
     counts = torch.zeros(V, V, V, dtype=torch.long)
     proposed = accepted = corrected = 0
     for r in range(N_ROUNDS):
         params = [
-            SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p, seed=r * N_BATCH + i)
+            SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p, seed=r * N_BATCH + i,
+                           **extra)
             for i in range(N_BATCH)
         ]
         seqs, outs = run_to_end(engine, [PROMPT] * N_BATCH, params, k, prefill_k=prefill_k)
@@ -164,6 +167,37 @@ def test_fused_prefill_samples_follow_target_distribution(small_models, k, tempe
     assert g_test_pvalue(counts.sum((1, 2)), joint.sum((1, 2))) > ALPHA
     assert g_test_pvalue(counts, joint) > ALPHA
     assert g_test_pvalue(counts, exact_joint(draft, temperature, top_k, top_p)) < ALPHA  # power
+
+
+def penalised_joint(model, temperature: float, rep: float, freq: float, pres: float) -> torch.Tensor:
+    """P(t1, t2, t3 | PROMPT) by enumeration, each token's logits penalised as vLLM does for the target alone:
+    repetition over the prompt and the tokens before it, frequency and presence over those tokens. -> [V, V, V]"""
+    t1, t2 = torch.meshgrid(torch.arange(V), torch.arange(V), indexing="ij")
+    ids = torch.cat([torch.tensor(PROMPT).expand(V * V, -1), t1.reshape(-1, 1), t2.reshape(-1, 1)], dim=1)
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits.float()[:, -3:]  # [V*V, 3, V]: the logits of t1, t2, t3
+    onehot = torch.nn.functional.one_hot(ids[:, -2:], V).double()  # [V*V, 2, V]
+    counts = torch.stack([torch.zeros(V * V, V, dtype=torch.float64), onehot[:, 0], onehot.sum(1)], dim=1)
+    seen = (torch.bincount(torch.tensor(PROMPT), minlength=V).double() + counts) > 0  # [V*V, 3, V]
+    x = logits.double()
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x) - freq * counts - pres * (counts > 0).double()
+    probs = torch.softmax(x / temperature, dim=-1).reshape(V, V, 3, V)
+    return probs[0, 0, 0][:, None, None] * probs[:, 0, 1][:, :, None] * probs[:, :, 2]
+
+
+@pytest.mark.parametrize("prefill_k", [0, 2])
+def test_penalised_samples_follow_the_penalised_target(small_models, prefill_k):
+    """Penalties with speculation (k = 3; the fused prefill's k = 2 as well): the joint of three tokens is the
+    target alone's under the same penalties, each verify column penalised for the drafts before it; and the samples
+    are unmistakably not from the unpenalised target's joint (power)."""
+    target, draft = small_models
+    kw = dict(repetition_penalty=1.4, frequency_penalty=0.7, presence_penalty=0.5)
+    counts, proposed, accepted, _ = sample_three(small_engine(target, draft), 3, 1.0, 0, 1.0, prefill_k, **kw)
+    assert int(counts.sum()) == N_BATCH * N_ROUNDS and 0.05 < accepted / proposed < 0.9
+    joint = penalised_joint(target, 1.0, 1.4, 0.7, 0.5)
+    assert math.isclose(float(joint.sum()), 1.0, rel_tol=1e-9)
+    assert g_test_pvalue(counts, joint) > ALPHA
+    assert g_test_pvalue(counts, exact_joint(target, 1.0, 0, 1.0)) < ALPHA
 
 
 def test_statistical_check_has_power(small_models):

@@ -171,8 +171,8 @@ def test_preemption_takes_the_most_recently_arrived_first_and_requeues_it_at_the
     deltas = run_all(core)
     finals = {d.request_id: d for _, d in deltas if d.finished}
     assert all(d.finish_reason == "length" and d.completion_tokens == 30 for d in finals.values())
-    readded = [(len(prompt), p.max_tokens) for _, prompt, p in eng.added[3:5]]
-    assert readded == [(4 + 1, 30 - 1), (1 + 1, 30 - 1)]  # prompt + the token generated, recomputed
+    readded = [(len(prompt), p.max_tokens, p.recomputed) for _, prompt, p in eng.added[3:5]]
+    assert readded == [(4 + 1, 30 - 1, 1), (1 + 1, 30 - 1, 1)]  # prompt + the token generated, recomputed
 
 
 def test_k_is_lowered_before_anything_is_preempted():

@@ -262,7 +262,6 @@ def test_models_retrieve_and_unknown_model(srv):
         ({"function_call": {"name": "f"}}, "function_call"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ],
 )
 def test_unsupported_chat_fields_are_refused_by_name(srv, extra, param):

@@ -1,7 +1,8 @@
-"""logprobs over HTTP: the completions API's `logprobs: n` and the chat API's `logprobs: true` / `top_logprobs: n`,
-streamed and not, through the official `openai` client, against the target's own log-probabilities (one Hugging
-Face forward over the prompt and the output the server returned). Speculation is on (k = 3) with a draft that
-rarely agrees, so the tokens come from verifies, corrections and bonuses."""
+"""OpenAI's sampling-side fields over HTTP, through the official `openai` client, with speculation on (k = 3) and a
+draft that rarely agrees, so the tokens come from verifies, corrections and bonuses: logprobs (the completions API's
+`logprobs: n`, the chat API's `logprobs: true` / `top_logprobs: n`, echo's prompt logprobs as lm-eval asks for them),
+streamed and not, against the target's own log-probabilities (one Hugging Face forward over the prompt and the
+output the server returned); logit_bias; the presence, frequency and repetition penalties."""
 
 from __future__ import annotations
 
@@ -228,3 +229,27 @@ def test_logit_bias_over_http(srv, client):
     for bias in ({"abc": 1}, {"-3": 1}, {str(srv.engine.vocab_size): 1}, {"5": 100.5}, {"5": 1, "05": 2}):
         r = httpx.post(srv.v1 + "/completions", json={"prompt": "a", "logit_bias": bias}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", (bias, r.text)
+
+
+def test_penalties_over_http(srv, client, pair):
+    """presence / frequency_penalty (OpenAI) and repetition_penalty (vLLM): greedy outputs equal a penalised greedy
+    loop over the target alone; out-of-range values are 400s naming the field."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.penalties import penalised
+
+    model = AutoModelForCausalLM.from_pretrained(pair[0]).eval()
+    kw = dict(model=srv.model_name, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+              extra_body={"return_token_ids": True, "ignore_eos": True, "repetition_penalty": 1.3})
+    got = client.completions.create(frequency_penalty=0.8, presence_penalty=0.4, **kw).choices[0].token_ids
+    ids = list(PROMPTS[0])
+    with torch.inference_mode():
+        for _ in range(12):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            ids.append(int(penalised(logits, ids, ids[len(PROMPTS[0]):], 1.3, 0.8, 0.4).argmax()))
+    assert got == ids[len(PROMPTS[0]):]
+    for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+                         ("repetition_penalty", 11)):
+        r = httpx.post(srv.v1 + "/completions", json={"prompt": "a", field: value}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+    assert srv.wait_idle()
