@@ -698,26 +698,42 @@ class SpecEngine:
         (Q = D + 1) after d_1 .. d_j, a draft forward's (Q = 1) after all D. The output: the tokens past the
         engine's prompt, its last `recomputed` prompt tokens and the drafts (repetition also counts the prompt).
 
+        Only the logits of those tokens change, so only they are read and written: each row's M = L + D token
+        ids are gathered per column, penalised and scattered back (a token held several times writes the same
+        value from each place; a draft not yet before a column stands in for the row's first token there), so
+        the cost grows with the tokens held, not with the vocabulary times the columns.
+
         logits: [B, Q, V] -> [B, Q, V]; rows without penalties unchanged (their factors are 1 and 0).
         """
         batch, q_len, vocab = logits.shape
         dev = logits.device
         cols = torch.arange(max(lengths), device=dev)  # [L]
-        tokens = self.token_buf[slot_t[:, None], cols[None, :]]  # [B, L]
-        held = (cols[None, :] < to_device(lengths, dev)[:, None]).float()  # [B, L]: in the row's context
+        held = cols[None, :] < to_device(lengths, dev)[:, None]  # [B, L]: in the row's context
+        ids = self.token_buf[slot_t[:, None], cols[None, :]]  # [B, L]
+        ids = torch.where(held, ids, ids[:, :1])  # past a row's length: its first token (held by every row)
         out_from = to_device([st.prompt_len - st.params.recomputed for st in states], dev)  # [B]
-        output = held * (cols[None, :] >= out_from[:, None])  # [B, L]: in its output
-        seen = torch.zeros(batch, vocab, device=dev).scatter_add_(1, tokens, held)[:, None, :]  # [B, 1, V]
-        counts = torch.zeros(batch, vocab, device=dev).scatter_add_(1, tokens, output)[:, None, :]  # [B, 1, V]
+        output = (held & (cols[None, :] >= out_from[:, None])).float()  # [B, L]: in its output
+        counts = torch.zeros(batch, vocab, device=dev).scatter_add_(1, ids, output)  # [B, V]: output occurrences
+        ids = ids[:, None, :].expand(-1, q_len, -1)  # [B, Q, L]
+        count = counts.gather(1, ids[:, 0])[:, None, :].expand(-1, q_len, -1)  # [B, Q, L]
+        seen = torch.ones_like(count, dtype=torch.bool)  # [B, Q, L]: every entry is in the context
         if drafts is not None and drafts.shape[1] > 0:
             d = drafts.shape[1]
-            onehot = torch.zeros(batch, d, vocab, device=dev).scatter_(2, drafts[:, :, None], 1.0)  # [B, D, V]
-            before = torch.cat([onehot.new_zeros(batch, 1, vocab), onehot.cumsum(1)], dim=1)[:, d + 1 - q_len:]
-            seen, counts = seen + before, counts + before  # [B, Q, V]
+            before = torch.arange(d, device=dev)[None, :] < torch.arange(q_len, device=dev)[:, None] + d + 1 - q_len
+            before = before.float()  # [Q, D]: draft i comes before column j
+            draft_ids = torch.where(before[None] > 0, drafts[:, None, :], ids[:, :, :1])  # [B, Q, D]
+            ids = torch.cat([ids, draft_ids], dim=2)  # [B, Q, M]
+            same = (ids[..., None] == drafts[:, None, None, :]).float()  # [B, Q, M, D]
+            extra = (same * before[None, :, None, :]).sum(-1)  # [B, Q, M]: drafts before the column with its id
+            count = torch.cat([count, counts.gather(1, draft_ids.flatten(1)).view_as(draft_ids)], dim=2) + extra
+            held_ids = torch.zeros(batch, vocab, device=dev).scatter_add_(1, ids[:, 0, : cols.numel()], held.float())
+            in_context = held_ids.gather(1, draft_ids.flatten(1)).view_as(draft_ids) > 0  # [B, Q, D]
+            seen = torch.cat([seen, in_context], dim=2) | (extra > 0)
         rep, freq, pres = (to_device([getattr(st.params, f) for st in states], dev, torch.float32)[:, None, None]
                            for f in ("repetition_penalty", "frequency_penalty", "presence_penalty"))  # [B, 1, 1]
-        logits = torch.where(seen > 0, torch.where(logits > 0, logits / rep, logits * rep), logits)
-        return logits - freq * counts - pres * (counts > 0).float()
+        x = logits.gather(2, ids)  # [B, Q, M]
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x) - freq * count - pres * (count > 0).float()
+        return logits.scatter(2, ids, x)
 
     def _warm_up(self) -> None:
         """Allocate both pools and run each model once, so the first request pays no set-up cost."""
