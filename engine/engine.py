@@ -571,8 +571,8 @@ class SpecEngine:
         return static
 
     def _verify(self, plan: StepPlan, draft: Draft | None) -> torch.Tensor:
-        """One target forward over [pending, d_1 .. d_k] per row: its raw logits [B, k + 1, V] (min_tokens not
-        applied)."""
+        """One target forward over [pending, d_1 .. d_k] per row: its raw logits [B, k + 1, V] (the request's
+        adjustments, `_adjust`, not applied: logprobs read them raw)."""
         last_tok = self.token_buf[plan.slot_t, plan.len_t - 1][:, None]  # [B, 1]
         verify_in = torch.cat([last_tok, draft.tokens], dim=1) if draft is not None else last_tok  # [B, k + 1]
         starts = [n - 1 for n in plan.lengths]

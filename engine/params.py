@@ -69,7 +69,8 @@ class SamplingParams:
         if any(type(t) is not int or t < 0 for t in ids) or len(set(ids)) != len(ids):
             bad("logit_bias", "distinct non-negative token ids", ids[:5])
         if not all(-LOGIT_BIAS_MAX <= v <= LOGIT_BIAS_MAX for _, v in self.logit_bias):  # NaN fails too
-            bad("logit_bias", f"values in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]", [v for _, v in self.logit_bias][:5])
+            values = [v for _, v in self.logit_bias][:5]
+            bad("logit_bias", f"values in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]", values)
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "non-negative integers", self.stop_token_ids)
 

@@ -1,7 +1,7 @@
 """exspec scheduler: asyncio request queue feeding the EXSPEC sliding pool of same-length groups.
 
-`SamplingParams` (with its bounds LOGIT_BIAS_MAX and MAX_LOGPROBS) and `TokenLogprob` are re-exported: what a request asks for and what it gets
-back are part of the scheduler's interface to the server.
+`SamplingParams` (with its bounds LOGIT_BIAS_MAX and MAX_LOGPROBS) and `TokenLogprob` are re-exported: what a request
+asks for and what it gets back are part of the scheduler's interface to the server.
 The public names are imported on first use (PEP 562), so that the torch-free types.py (SchedulerConfig, whose
 defaults the command line's settings read) is imported without torch."""
 

@@ -95,15 +95,15 @@ class RequestOutput:
 
 
 def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    """`then` following `first` as one delta: tokens, their logprobs and text joined, the rest `then`'s (the totals so far, the
-    finish), queue_time_s the first delta's."""
+    """`then` following `first` as one delta: tokens, their logprobs and text joined, the rest `then`'s (the totals
+    so far, the finish), queue_time_s and prompt_logprobs the first delta's (where it has them)."""
     logprobs = then.logprobs
     if first.logprobs is not None:
         logprobs = first.logprobs + (then.logprobs or ())
     return replace(then, token_ids=first.token_ids + then.token_ids, text=first.text + then.text,
                    queue_time_s=first.queue_time_s if first.queue_time_s is not None else then.queue_time_s,
                    logprobs=logprobs,
-                   prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs)
+                   prompt_logprobs=then.prompt_logprobs if first.prompt_logprobs is None else first.prompt_logprobs)
 
 
 @dataclass(frozen=True)

@@ -195,7 +195,8 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_does(srv, client, ref_l
         lp = choice if stream else choice.logprobs.model_dump()
         text = choice["text"] if stream else choice.text
         assert text.startswith(tok.decode(prompt))
-        assert lp["tokens"][: len(prompt)] == [_text_of(tok, t) for t in prompt] and len(lp["tokens"]) == len(prompt) + 1
+        assert lp["tokens"][: len(prompt)] == [_text_of(tok, t) for t in prompt]
+        assert len(lp["tokens"]) == len(prompt) + 1
         assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
         output = [next(i for i in range(tok.vocab_size) if _text_of(tok, i) == lp["tokens"][-1])]
         ref = ref_logprobs(prompt[:1], prompt[1:] + output)  # row j: the token at position j + 1
