@@ -11,24 +11,10 @@ import openai
 import pytest
 import torch
 
-from tests.support.server_fixtures import running_server
-from tests.support.tiny_models import build_pair
+# test_server.py's tiny llama pair and server (k = 3), this module's own instances (module scope)
+from tests.server.test_server import pair, srv  # noqa: F401
 
-MAX_LEN = 128
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return build_pair(tmp_path_factory.mktemp("logprob-models"), "llama")
-
-
-@pytest.fixture(scope="module")
-def srv(pair):
-    target, draft = pair
-    with running_server(target, draft, max_model_len=MAX_LEN, max_batch_size=4, pool_size=8,
-                        num_speculative_tokens=3) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")
