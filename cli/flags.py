@@ -80,6 +80,7 @@ FLAGS = {
     "max_stop": ("N", "stop strings per request (default 16)"),
     "max_stop_chars": ("N", "characters per stop string (default 1024)"),
     "max_stop_token_ids": ("N", "stop_token_ids per request (default 256)"),
+    "max_logit_bias": ("N", "logit_bias entries per request (default 300)"),
 }
 # The fields of the model pair, the engine and the scheduler: serve, generate and bench take these.
 ENGINE_FIELDS = (

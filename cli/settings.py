@@ -86,6 +86,7 @@ class Settings(BaseSettings):
     max_stop: int = Field(default=ServerConfig.max_stop, ge=1, le=INT64_MAX)  # stop strings per request
     max_stop_chars: int = Field(default=ServerConfig.max_stop_chars, ge=1, le=INT64_MAX)  # characters per stop string
     max_stop_token_ids: int = Field(default=ServerConfig.max_stop_token_ids, ge=0, le=INT64_MAX)
+    max_logit_bias: int = Field(default=ServerConfig.max_logit_bias, ge=0, le=INT64_MAX)  # entries per request
 
     @field_validator("kv_cache_memory")
     @classmethod

@@ -25,6 +25,7 @@ class ServerConfig:
     max_stop: int = 16  # stop strings per request
     max_stop_chars: int = 1024  # characters per stop string
     max_stop_token_ids: int = 256  # stop_token_ids per request
+    max_logit_bias: int = 300  # logit_bias entries per request
     retry_after_s: int = 1  # Retry-After sent with 429 (queue full)
     retry_after_unavailable_s: int = 5  # Retry-After sent with 503 (shutting down, step loop dead)
 
@@ -41,15 +42,16 @@ class ServerConfig:
                      "max_stop_chars", "retry_after_s", "retry_after_unavailable_s"):
             if not 1 <= getattr(self, name) <= INT64_MAX:
                 bad(name, f"in [1, {INT64_MAX}]", getattr(self, name))
-        if not 0 <= self.max_stop_token_ids <= INT64_MAX:
-            bad("max_stop_token_ids", f"in [0, {INT64_MAX}]", self.max_stop_token_ids)
+        for name in ("max_stop_token_ids", "max_logit_bias"):
+            if not 0 <= getattr(self, name) <= INT64_MAX:
+                bad(name, f"in [0, {INT64_MAX}]", getattr(self, name))
 
 
 # ServerConfig fields that are also exspec.cli.settings.Settings fields (same name, same meaning).
 SETTINGS_FIELDS = (
     "served_model_name", "api_key", "shutdown_timeout", "max_body_bytes", "body_read_timeout",
     "keep_alive_timeout", "max_n", "max_prompts", "max_prompt_chars", "max_messages", "max_stop",
-    "max_stop_chars", "max_stop_token_ids",
+    "max_stop_chars", "max_stop_token_ids", "max_logit_bias",
 )
 
 

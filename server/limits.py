@@ -58,11 +58,16 @@ def check_logprobs(req: CompletionRequest | ChatCompletionRequest, vocab_size: i
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
 
-def engine_logit_bias(req: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> tuple[tuple[int, float], ...]:
-    """logit_bias as the engine takes it: (token id, bias) pairs, each key a token id written in decimal, in the
-    vocabulary, once; each bias in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX] (OpenAI's -100 to 100)."""
+def engine_logit_bias(req: CompletionRequest | ChatCompletionRequest, config: ServerConfig,
+                      vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """logit_bias as the engine takes it: (token id, bias) pairs, at most `--max-logit-bias` of them, each key a
+    token id written in decimal, in the vocabulary, once; each bias in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX] (OpenAI's
+    -100 to 100)."""
     if not req.logit_bias:
         return ()
+    if len(req.logit_bias) > config.max_logit_bias:
+        raise _bad("logit_bias", f"at most {config.max_logit_bias} entries", f"{len(req.logit_bias)} entries",
+                   "--max-logit-bias")
     pairs = {}
     for key, value in req.logit_bias.items():
         text = key.strip()

@@ -303,7 +303,7 @@ class OpenAIServing:
                            code="unsupported_parameter")
         limits.check_sampling(req, self.config, self.vocab_size)
         limits.check_logprobs(req, self.vocab_size)
-        limits.engine_logit_bias(req, self.vocab_size)  # checked here; _params converts it per choice
+        limits.engine_logit_bias(req, self.config, self.vocab_size)  # checked here; _params converts it per choice
 
     async def _off_loop(self, size: int, fn: Callable, *args):
         """fn(*args), in the thread pool when `size` (characters or ids) is large, else right here."""
@@ -397,7 +397,7 @@ class OpenAIServing:
             stop=req.stop_strings(),
             logprobs=req.engine_logprobs(),
             prompt_logprobs=req.engine_prompt_logprobs(),
-            logit_bias=limits.engine_logit_bias(req, self.vocab_size),
+            logit_bias=limits.engine_logit_bias(req, self.config, self.vocab_size),
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,

@@ -41,7 +41,7 @@ def test_every_flag_is_documented_with_its_variable_and_default():
 
 
 @pytest.mark.parametrize("field, value", [("max_n", 0), ("max_body_bytes", 2**63), ("keep_alive_timeout", 0),
-                                          ("shutdown_timeout", -1), ("max_stop_token_ids", -1)])
+                                          ("shutdown_timeout", -1), ("max_stop_token_ids", -1), ("max_logit_bias", -1)])
 def test_bad_values_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         ServerConfig(**{field: value})

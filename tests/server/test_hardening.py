@@ -21,7 +21,7 @@ MAX_LEN = 128
 KEY = "k3y"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LIMITS = dict(max_body_bytes=64 * 1024, max_prompt_chars=4000, max_n=4, max_prompts=4, max_stop=4,
-              max_stop_chars=32, max_stop_token_ids=8, max_messages=8, body_read_timeout=1.0,
+              max_stop_chars=32, max_stop_token_ids=8, max_logit_bias=8, max_messages=8, body_read_timeout=1.0,
               keep_alive_timeout=1.0)
 
 
@@ -137,6 +137,11 @@ def test_hostile_fields_while_streams_run(srv, vocab):
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"stop_token_ids": list(range(9)), "min_tokens": 2}, "stop_token_ids"),
         ({"stop_token_ids": list(range(8000)), "min_tokens": 2}, "stop_token_ids"),
+        ({"logit_bias": {str(i): 1 for i in range(9)}}, "logit_bias"),
+        ({"logit_bias": {"1": 1e300}}, "logit_bias"),
+        ({"presence_penalty": 1e300}, "presence_penalty"),
+        ({"repetition_penalty": -1}, "repetition_penalty"),
+        ({"logprobs": 21}, "logprobs"),
         ({"stop": ["a"] * 5}, "stop"),
         ({"stop": "x" * 33}, "stop"),
         ({"stop": [""]}, "stop"),
