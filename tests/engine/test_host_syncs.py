@@ -33,12 +33,18 @@ class WaitingOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("logprobs", [None, 3])
-def test_a_request_s_life_writes_no_number_from_the_host_and_reads_no_item(models, logprobs):
+OPTIONS = {"plain": {}, "logprobs": dict(logprobs=3, prompt_logprobs=2),
+           "adjusted": dict(logit_bias=((5, 1.5), (9, -2.0)), presence_penalty=0.5, frequency_penalty=0.3,
+                            repetition_penalty=1.2, min_tokens=3)}
+
+
+@pytest.mark.parametrize("options", list(OPTIONS))
+def test_a_request_s_life_writes_no_number_from_the_host_and_reads_no_item(models, options):
     """Admission, prefill, decode steps and release: the step's one read (`.tolist()` of the sampled tokens, with
-    their logprobs where asked for; not a dispatched op) is the only wait the host would make."""
+    their logprobs where asked for; not a dispatched op) is the only wait the host would make, with logprobs, and
+    with logit_bias, the penalties and min_tokens adjusting the logits."""
     engine = models.engine("llama", "noisy")
-    params = SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9, top_k=5, seed=3, logprobs=logprobs)
+    params = SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9, top_k=5, seed=3, **OPTIONS[options])
     watch = WaitingOps()
     with watch:
         seqs = [admit(engine, p, params) for p in random_prompts([6, 9, 7], seed=5)]
