@@ -65,6 +65,20 @@ class StepPlan:
     out_pos: torch.Tensor  # [B, k + 1] long: the position each emitted token lands at
     allow: torch.Tensor  # [B, k] bool: draft column j of row b may be accepted (j < row_k[b])
     rows: RowParams  # per-row sampling parameters
+    penalties: Penalties | None  # what the penalties read of the rows' tokens; None: no row has penalties
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """What the presence, frequency and repetition penalties read of a batch's context (each row's tokens before the
+    logits' columns, not the drafts), made once per step or prefill (`SpecEngine._penalties`) for every forward."""
+
+    ids: torch.Tensor  # [B, L] long: each row's context tokens (past its length: its first token)
+    counts: torch.Tensor  # [B, V] float: occurrences in the row's output (frequency, presence)
+    held: torch.Tensor  # [B, V] bool: in the row's context, prompt included (repetition)
+    rep: torch.Tensor  # [B, 1, 1] float: repetition_penalty (1: off)
+    freq: torch.Tensor  # [B, 1, 1] float: frequency_penalty
+    pres: torch.Tensor  # [B, 1, 1] float: presence_penalty
 
 
 @dataclass(frozen=True)
@@ -316,7 +330,8 @@ class SpecEngine:
             raw = every.gather(1, last[:, :, None].expand(-1, -1, every.shape[-1]))  # [B, 1, V]
         rows = self._row_params(states, slot_t)
         positions = to_device([st.prompt_len for st in states], dev)[:, None]  # [B, 1]
-        logits = self._adjust(raw, states, [0] * len(states), (slot_t, [st.prompt_len for st in states], None))
+        penalties = self._penalties(states, slot_t, [st.prompt_len for st in states])
+        logits = self._adjust(raw, states, [0] * len(states), penalties)
         first = self._sample(logits, rows, positions)[:, 0]  # [B]
         self.token_buf[slot_t, positions[:, 0]] = first
         t2 = self._clock.mark()
@@ -388,7 +403,7 @@ class SpecEngine:
         wide = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], k)], dim=1)  # [B, Q + k]
         wide.scatter_(1, last + 1 + cols[None, :k], draft.tokens)
         raw = self.target.extend(wide, starts, list(plan.slots), select=last + cols[None, :])  # [B, k + 1, V]
-        logits = self._adjust(raw, plan.states, list(plan.generated), (plan.slot_t, plan.lengths, draft.tokens))
+        logits = self._adjust(raw, plan.states, list(plan.generated), plan.penalties, draft.tokens)
         out_tokens, num_accepted = self._accept(plan, draft, logits)
         t3 = self._clock.mark()
         for chunk, st in zip(chunks, plan.states):
@@ -414,7 +429,7 @@ class SpecEngine:
         t1 = self._clock.mark()
         raw = self._verify(plan, draft)  # [B, k + 1, V]
         drafts = draft.tokens if draft is not None else None
-        logits = self._adjust(raw, plan.states, list(plan.generated), (plan.slot_t, plan.lengths, drafts))
+        logits = self._adjust(raw, plan.states, list(plan.generated), plan.penalties, drafts)
         tokens, num_accepted = self._accept(plan, draft, logits)  # [B, k + 1], [B]
         t2 = self._clock.mark()
         return self._commit(plan, tokens, num_accepted, raw, (t0, t1), (t1, t2), (t0, tc) if caught_up else None)
@@ -461,6 +476,7 @@ class SpecEngine:
             out_pos=len_t[:, None] + cols,  # [B, k + 1]
             allow=allow,
             rows=self._row_params(states, slot_t),
+            penalties=self._penalties(states, slot_t, lengths),
         )
 
     def _catch_up(self, plan: StepPlan) -> tuple[list[int], bool]:
@@ -515,8 +531,7 @@ class SpecEngine:
         proposed, probs = [], []
         for i in range(plan.k):
             before = torch.cat(proposed, dim=1) if proposed else None  # [B, i]: the drafts before this one
-            context = (plan.slot_t, plan.lengths, before)
-            logits = self._adjust(logits, plan.states, [g + i for g in plan.generated], context)
+            logits = self._adjust(logits, plan.states, [g + i for g in plan.generated], plan.penalties, before)
             pos = plan.len_t[:, None] + i  # [B, 1]: where draft token i + 1 would land
             if plan.rows.any_sampling:
                 q = process_probs(logits, plan.rows)  # [B, 1, V]
@@ -660,43 +675,66 @@ class SpecEngine:
             return logits.argmax(-1)
         return sample_from_probs(process_probs(logits, rows), rows.seeds, positions, STREAM_TARGET)
 
-    def _adjust(self, logits: torch.Tensor, states, generated: list[int], context) -> torch.Tensor:
+    def _adjust(self, logits: torch.Tensor, states, generated: list[int], penalties: Penalties | None = None,
+                drafts: torch.Tensor | None = None) -> torch.Tensor:
         """The request's changes to a model's raw logits, before temperature and the filters, in vLLM's order:
-        logit_bias added, the penalties (`_penalize`), then (min_tokens) EOS and stop ids at zero probability while
-        fewer than min_tokens are generated. Rows using none cost nothing; the rows that do are built on the device
-        (a rare path: loops over those rows, from tensors made at `add`, no host copy).
+        logit_bias added, the penalties (`_penalize`, over `penalties` and the `drafts` [B, D] before the
+        columns), then (min_tokens) EOS and stop ids at zero probability while fewer than min_tokens are
+        generated. Rows using none cost nothing; the bias and the stop ids are one scatter each, from the tensors
+        made at `add` (no host copy).
 
-        logits: [B, Q, V]; column j of row b produces generated token number generated[b] + j. context: (slot_t
-        [B], each row's length before the logits' tokens [B] host, the drafts before them [B, D] or None).
+        logits: [B, Q, V]; column j of row b produces generated token number generated[b] + j.
         """
-        biased = [b for b, st in enumerate(states) if st.bias is not None]
+        batch, q_len, vocab = logits.shape
+        dev = logits.device
+        biased = [st.bias for st in states if st.bias is not None]
         if biased:
-            bias = torch.zeros(logits.shape[0], logits.shape[-1], device=logits.device)  # [B, V]
-            for b in biased:
-                ids, values = states[b].bias
-                bias[b].index_copy_(0, ids, values)
+            rows = [b for b, st in enumerate(states) if st.bias is not None for _ in st.params.logit_bias]
+            rows = to_device(rows, dev)  # [E]: each entry's row
+            ids, values = (torch.cat(parts) for parts in zip(*biased))  # [E] each: every biased row's entries
+            bias = torch.zeros(batch, vocab, device=dev).index_put_((rows, ids), values)  # [B, V]
             logits = logits + bias[:, None, :]
-        if any(st.params.has_penalties for st in states):
-            logits = self._penalize(logits, states, *context)
+        if penalties is not None:
+            logits = self._penalize(logits, penalties, drafts)
         active = [st.params.min_tokens > g for st, g in zip(states, generated)]
         if not any(active):
             return logits
-        batch, q_len, vocab = logits.shape
-        dev = logits.device
-        banned = torch.zeros(batch, vocab, dtype=torch.bool, device=dev)  # [B, V]
-        for b, (st, on) in enumerate(zip(states, active)):
-            if on:
-                banned[b].index_fill_(0, st.stop_ids, True)
+        on = [b for b, a in enumerate(active) if a]
+        ids = torch.cat([states[b].stop_ids for b in on])  # [E]
+        rows = to_device([b for b in on for _ in range(states[b].stop_ids.numel())], dev)  # [E]
+        banned = torch.zeros(batch, vocab, dtype=torch.bool, device=dev).index_put_(
+            (rows, ids), torch.ones_like(ids, dtype=torch.bool))  # [B, V]
         need = to_device([st.params.min_tokens - g for st, g in zip(states, generated)], dev)  # [B]
         cols_on = torch.arange(q_len, device=dev)[None, :] < need[:, None]  # [B, Q]
         return logits.masked_fill(cols_on[:, :, None] & banned[:, None, :], float("-inf"))
 
-    def _penalize(self, logits: torch.Tensor, states, slot_t: torch.Tensor, lengths: list[int],
-                  drafts: torch.Tensor | None) -> torch.Tensor:
+    def _penalties(self, states, slot_t: torch.Tensor, lengths) -> Penalties | None:
+        """The rows' `Penalties` before a step's (or a prefill's) forwards: their tokens [0, lengths[b]) in
+        token_buf; the output is the tokens past the engine's prompt and its last `recomputed` prompt tokens.
+        None when no row has penalties."""
+        if not any(st.params.has_penalties for st in states):
+            return None
+        batch, vocab, dev = len(states), self.vocab_size, self.device
+        cols = torch.arange(max(lengths), device=dev)  # [L]
+        held = cols[None, :] < to_device(list(lengths), dev)[:, None]  # [B, L]: in the row's context
+        ids = self.token_buf[slot_t[:, None], cols[None, :]]  # [B, L]
+        ids = torch.where(held, ids, ids[:, :1])  # past a row's length: its first token (held by every row)
+        out_from = to_device([st.prompt_len - st.params.recomputed for st in states], dev)  # [B]
+        output = (held & (cols[None, :] >= out_from[:, None])).float()  # [B, L]: in its output
+        rep, freq, pres = (to_device([getattr(st.params, f) for st in states], dev, torch.float32)[:, None, None]
+                           for f in ("repetition_penalty", "frequency_penalty", "presence_penalty"))  # [B, 1, 1]
+        return Penalties(
+            ids=ids,
+            counts=torch.zeros(batch, vocab, device=dev).scatter_add_(1, ids, output),
+            held=torch.zeros(batch, vocab, device=dev).scatter_add_(1, ids, held.float()) > 0,
+            rep=rep, freq=freq, pres=pres,
+        )
+
+    @staticmethod
+    def _penalize(logits: torch.Tensor, pen: Penalties, drafts: torch.Tensor | None) -> torch.Tensor:
         """Repetition, frequency and presence penalties (vLLM's apply_penalties). Column j of row b comes after
-        the row's tokens [0, lengths[b]) in token_buf and its first j + D + 1 - Q drafts: a verify's column j
-        (Q = D + 1) after d_1 .. d_j, a draft forward's (Q = 1) after all D. The output: the tokens past the
-        engine's prompt, its last `recomputed` prompt tokens and the drafts (repetition also counts the prompt).
+        the row's context (`pen`) and its first j + D + 1 - Q drafts: a verify's column j (Q = D + 1) after
+        d_1 .. d_j, a draft forward's (Q = 1) after all D. The drafts count as output.
 
         Only the logits of those tokens change, so only they are read and written: each row's M = L + D token
         ids are gathered per column, penalised and scattered back (a token held several times writes the same
@@ -705,17 +743,9 @@ class SpecEngine:
 
         logits: [B, Q, V] -> [B, Q, V]; rows without penalties unchanged (their factors are 1 and 0).
         """
-        batch, q_len, vocab = logits.shape
-        dev = logits.device
-        cols = torch.arange(max(lengths), device=dev)  # [L]
-        held = cols[None, :] < to_device(lengths, dev)[:, None]  # [B, L]: in the row's context
-        ids = self.token_buf[slot_t[:, None], cols[None, :]]  # [B, L]
-        ids = torch.where(held, ids, ids[:, :1])  # past a row's length: its first token (held by every row)
-        out_from = to_device([st.prompt_len - st.params.recomputed for st in states], dev)  # [B]
-        output = (held & (cols[None, :] >= out_from[:, None])).float()  # [B, L]: in its output
-        counts = torch.zeros(batch, vocab, device=dev).scatter_add_(1, ids, output)  # [B, V]: output occurrences
-        ids = ids[:, None, :].expand(-1, q_len, -1)  # [B, Q, L]
-        count = counts.gather(1, ids[:, 0])[:, None, :].expand(-1, q_len, -1)  # [B, Q, L]
+        q_len, dev = logits.shape[1], logits.device
+        ids = pen.ids[:, None, :].expand(-1, q_len, -1)  # [B, Q, L]
+        count = pen.counts.gather(1, pen.ids)[:, None, :].expand(-1, q_len, -1)  # [B, Q, L]
         seen = torch.ones_like(count, dtype=torch.bool)  # [B, Q, L]: every entry is in the context
         if drafts is not None and drafts.shape[1] > 0:
             d = drafts.shape[1]
@@ -725,15 +755,12 @@ class SpecEngine:
             ids = torch.cat([ids, draft_ids], dim=2)  # [B, Q, M]
             same = (ids[..., None] == drafts[:, None, None, :]).float()  # [B, Q, M, D]
             extra = (same * before[None, :, None, :]).sum(-1)  # [B, Q, M]: drafts before the column with its id
-            count = torch.cat([count, counts.gather(1, draft_ids.flatten(1)).view_as(draft_ids)], dim=2) + extra
-            held_ids = torch.zeros(batch, vocab, device=dev).scatter_add_(1, ids[:, 0, : cols.numel()], held.float())
-            in_context = held_ids.gather(1, draft_ids.flatten(1)).view_as(draft_ids) > 0  # [B, Q, D]
+            count = torch.cat([count, pen.counts.gather(1, draft_ids.flatten(1)).view_as(draft_ids)], dim=2) + extra
+            in_context = pen.held.gather(1, draft_ids.flatten(1)).view_as(draft_ids)  # [B, Q, D]
             seen = torch.cat([seen, in_context], dim=2) | (extra > 0)
-        rep, freq, pres = (to_device([getattr(st.params, f) for st in states], dev, torch.float32)[:, None, None]
-                           for f in ("repetition_penalty", "frequency_penalty", "presence_penalty"))  # [B, 1, 1]
         x = logits.gather(2, ids)  # [B, Q, M]
-        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x) - freq * count - pres * (count > 0).float()
-        return logits.scatter(2, ids, x)
+        x = torch.where(seen, torch.where(x > 0, x / pen.rep, x * pen.rep), x)
+        return logits.scatter(2, ids, x - pen.freq * count - pen.pres * (count > 0).float())
 
     def _warm_up(self) -> None:
         """Allocate both pools and run each model once, so the first request pays no set-up cost."""

@@ -70,9 +70,3 @@ def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[TokenLogprob], te
         for tok, lp in zip(token_ids, logprobs)
     ]
     return ChatLogprobs(content=content)
-
-
-def text_length(token_ids: Sequence[int], texts: TokenTexts) -> int:
-    """The sum of the token texts' lengths: how far a stream's text_offset moves over these tokens."""
-    return sum(len(texts(t)) for t in token_ids)
-

@@ -21,7 +21,7 @@ from exspec.scheduler.types import QueueFullError, RequestOutput, SchedulerClose
 from exspec.server import limits
 from exspec.server.config import ServerConfig
 from exspec.server.lifecycle import Lifecycle, ServerKilled
-from exspec.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs, text_length
+from exspec.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from exspec.server.metrics import RequestTimer, ServerMetrics
 from exspec.server.protocol import (
     APIError,
@@ -249,7 +249,7 @@ class OpenAIServing:
             logprobs = None
             if req.logprobs is not None:  # with echo, the prompt's tokens first
                 prompt = ([], ())
-                if req.echo:  # a choice always has them once it has tokens; None each defensively
+                if req.echo:  # they come with a choice's first tokens: one aborted before has none (None each)
                     ok = len(c.prompt_logprobs) == len(c.prompt_ids)
                     prompt = (c.prompt_ids, c.prompt_logprobs if ok else (None,) * len(c.prompt_ids))
                 logprobs = completion_logprobs([*prompt[0], *c.token_ids], [*prompt[1], *c.logprobs],
@@ -303,7 +303,6 @@ class OpenAIServing:
                            code="unsupported_parameter")
         limits.check_sampling(req, self.config, self.vocab_size)
         limits.check_logprobs(req, self.vocab_size)
-        limits.engine_logit_bias(req, self.config, self.vocab_size)  # checked here; _params converts it per choice
 
     async def _off_loop(self, size: int, fn: Callable, *args):
         """fn(*args), in the thread pool when `size` (characters or ids) is large, else right here."""
@@ -382,7 +381,7 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
 
-    def _params(self, req, max_tokens: int, choice: int) -> SamplingParams:
+    def _params(self, req, max_tokens: int, choice: int, logit_bias: tuple) -> SamplingParams:
         top_k = req.top_k if req.top_k not in (None, -1) else 0
         return SamplingParams(
             max_tokens=max_tokens,
@@ -397,7 +396,7 @@ class OpenAIServing:
             stop=req.stop_strings(),
             logprobs=req.engine_logprobs(),
             prompt_logprobs=req.engine_prompt_logprobs(),
-            logit_bias=limits.engine_logit_bias(req, self.config, self.vocab_size),
+            logit_bias=logit_bias,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
@@ -405,8 +404,9 @@ class OpenAIServing:
 
     def _submit(self, req, prompts: list[list[int]], max_tokens: int, base_id: str, arrival: float) -> _Generation:
         gen = _Generation(self.scheduler, self.metrics, base_id, arrival, self.background)
+        logit_bias = limits.engine_logit_bias(req, self.config, self.vocab_size)  # checked and converted once
         try:
-            params = [self._params(req, max_tokens, i) for i in range(req.n)]
+            params = [self._params(req, max_tokens, i, logit_bias) for i in range(req.n)]
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from e
         try:
@@ -503,7 +503,7 @@ class OpenAIServing:
             if req.logprobs is None:
                 return None
             out = completion_logprobs(token_ids, logprobs, self.token_texts, choice.text_offset)
-            choice.text_offset += text_length(token_ids, self.token_texts)
+            choice.text_offset += sum(map(len, out.tokens))
             return out
 
         def echo(choice: _Choice, prompt_logprobs=()) -> str:
@@ -520,7 +520,7 @@ class OpenAIServing:
             if echo_later and choice.index not in echoed:
                 echoed.add(choice.index)
                 lps = out.prompt_logprobs or ()
-                if len(lps) != len(choice.prompt_ids):  # a choice always has them with its first tokens
+                if len(lps) != len(choice.prompt_ids):  # they come with its first tokens: aborted before, none
                     lps = (None,) * len(choice.prompt_ids)
                 before = echo(choice, lps)
             ids = list(out.token_ids) if req.return_token_ids else None

@@ -2,6 +2,7 @@
 failures, stop strings and incremental detokenisation."""
 
 import asyncio
+import types
 
 import pytest
 
@@ -207,14 +208,25 @@ async def test_async_queue_full_abort_and_shutdown():
         sched.submit([1], SamplingParams())
 
 
-async def test_shutdown_lets_running_requests_finish_then_aborts_the_rest():
+async def test_shutdown_lets_running_requests_finish_then_aborts_the_rest(monkeypatch):
+    """The drain's clock is the test's: its deadline passes once `short` has finished, however slow the machine,
+    and then `endless` is aborted."""
+    from exspec.scheduler import async_scheduler
+
     eng = FakeEngine(num_slots=4, max_model_len=10**9)
     sched = AsyncScheduler(eng, SchedulerConfig(max_batch_size=2, pool_size=2, max_wait_steps=1))
     await sched.start()
     short = sched.submit([1, 2, 3], SamplingParams(max_tokens=3))
     endless = sched.submit([1, 2, 3], SamplingParams(max_tokens=10**9))
-    await sched.shutdown(timeout=2.0)  # ample for the 3 steps of `short` on a loaded machine
-    assert [o async for o in short][-1].finish_reason == "length"
+
+    async def read(stream):
+        return [o async for o in stream]
+
+    short_reader = asyncio.create_task(read(short))
+    clock = types.SimpleNamespace(monotonic=lambda: float("inf") if short_reader.done() else 0.0)
+    monkeypatch.setattr(async_scheduler, "time", clock)
+    await sched.shutdown(timeout=1.0)
+    assert (await short_reader)[-1].finish_reason == "length"
     assert [o async for o in endless][-1].finish_reason == "abort"
     assert eng.num_used == 0
 
