@@ -107,9 +107,15 @@ def target_continuations(target, prompts: list[list[int]], new_tokens: int, eos_
                 ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
                 mask[r, width - len(prompts[i]):] = 1
             out = target.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
-            logits = torch.stack(out.logits, dim=1).float()  # [b, n, V]
-            top_lp, top_id = (t.cpu() for t in F.log_softmax(logits, dim=-1).topk(topk, dim=-1))  # [b, n, topk] each
+            # The teacher's top-k one generated position at a time: out.logits is n tensors [b, V]; stacking
+            # them and their log-softmax would hold two more copies of b x n x V floats (1.2 GB at 32 x 96).
+            top_lp = torch.empty(len(rows), len(out.logits), topk)  # [b, n, topk]
+            top_id = torch.empty(len(rows), len(out.logits), topk, dtype=torch.long)  # [b, n, topk]
+            for j, step_logits in enumerate(out.logits):  # step_logits: [b, V]
+                lp, ti = F.log_softmax(step_logits.float(), dim=-1).topk(topk, dim=-1)  # [b, topk] each
+                top_lp[:, j], top_id[:, j] = lp.cpu(), ti.cpu()
             gen = out.sequences[:, width:].cpu()  # [b, n]
+            del out  # its logits go before the next call's arrive
             for r, i in enumerate(rows):
                 cont = gen[r].tolist()
                 if eos_id in cont:
