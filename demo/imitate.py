@@ -109,11 +109,12 @@ def target_continuations(target, prompts: list[list[int]], new_tokens: int, eos_
             out = target.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
             # The teacher's top-k one generated position at a time: out.logits is n tensors [b, V]; stacking
             # them and their log-softmax would hold two more copies of b x n x V floats (1.2 GB at 32 x 96).
-            top_lp = torch.empty(len(rows), len(out.logits), topk)  # [b, n, topk]
-            top_id = torch.empty(len(rows), len(out.logits), topk, dtype=torch.long)  # [b, n, topk]
+            # Filled where the target runs and copied to the host once (not once a position: one sync a call).
+            top_lp = torch.empty(len(rows), len(out.logits), topk, device=device)  # [b, n, topk]
+            top_id = torch.empty(len(rows), len(out.logits), topk, dtype=torch.long, device=device)  # [b, n, topk]
             for j, step_logits in enumerate(out.logits):  # step_logits: [b, V]
-                lp, ti = F.log_softmax(step_logits.float(), dim=-1).topk(topk, dim=-1)  # [b, topk] each
-                top_lp[:, j], top_id[:, j] = lp.cpu(), ti.cpu()
+                top_lp[:, j], top_id[:, j] = F.log_softmax(step_logits.float(), dim=-1).topk(topk, dim=-1)
+            top_lp, top_id = top_lp.cpu(), top_id.cpu()
             gen = out.sequences[:, width:].cpu()  # [b, n]
             del out  # its logits go before the next call's arrive
             for r, i in enumerate(rows):
