@@ -106,8 +106,9 @@ class BenchConfig:
         needs_draft = [m for m in self.methods if m in DRAFT_METHODS]
         if needs_draft and self.num_speculative_tokens == 0:  # its upper bound: EngineConfig's
             bad("--num-speculative-tokens", f">= 1 for methods {', '.join(needs_draft)}", self.num_speculative_tokens)
-        if needs_draft and self.draft_model is None:
-            raise BenchError(f"methods {', '.join(needs_draft)} need a draft model: pass --draft-model")
+        if needs_draft and not self.engine.speculates:
+            raise BenchError(f"methods {', '.join(needs_draft)} need a draft model (--draft-model) or "
+                             "--speculative-method ngram")
 
     def points(self) -> list[tuple[str, int]]:
         """(method, batch size) pairs to time, in report order; hf-assisted runs at B = 1 only; with fixed_ks,

@@ -19,7 +19,8 @@ computation, measured 0.92x-1.04x of each other with whole runs interleaved: doc
 Methods (`METHODS`):
 - `target-ar`: the target alone through our engine and scheduler, k = 0, pool W = B.
 - `hf-generate`: `model.generate()` of the target on static left-padded batches of B prompts.
-- `hf-assisted`: Hugging Face assisted generation (`assistant_model=draft`), k fixed, batch 1 only.
+- `hf-assisted`: Hugging Face assisted generation (`assistant_model=draft`; with `--speculative-method ngram` its
+  prompt lookup, `prompt_lookup_num_tokens=k`), k fixed, batch 1 only.
 - `exspec-mixed`: exspec at a fixed k with every step through the mixed-length path (the engine's
   `force_mixed=True`).
 - `exspec-fixed`: exspec at a fixed k with EXSPEC grouping, pool W = pool_factor * B (serve's W by default).
@@ -400,15 +401,22 @@ class Bench:
         k = self.config.num_speculative_tokens
         gen_cfg = self._generation_config(self.config.max_tokens)
         target, draft = self.pair.target, self.pair.draft
-        assisting = _copy(draft.generation_config)
-        assisting.num_assistant_tokens = k
-        assisting.num_assistant_tokens_schedule = "constant"
-        assisting.assistant_confidence_threshold = 0.0  # 0: never stop drafting early
+        if draft is None:  # --speculative-method ngram: Hugging Face's prompt lookup, k tokens, the same longest n-gram
+            gen_cfg = _copy(gen_cfg)
+            gen_cfg.prompt_lookup_num_tokens = k
+            gen_cfg.max_matching_ngram_size = self.config.engine.prompt_lookup_max
+            assisting = None
+        else:
+            assisting = _copy(draft.generation_config)
+            assisting.num_assistant_tokens = k
+            assisting.num_assistant_tokens_schedule = "constant"
+            assisting.assistant_confidence_threshold = 0.0  # 0: never stop drafting early
 
         @torch.inference_mode()
         def call(p: list[int]) -> tuple[list[list[int]], int]:
             # set and undone around each call (microseconds): the engine methods stepped between calls share the models
-            saved, draft.generation_config = draft.generation_config, assisting
+            if draft is not None:
+                saved, draft.generation_config = draft.generation_config, assisting
             calls = [0]
             hook = target.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
             try:
@@ -417,12 +425,13 @@ class Bench:
                     input_ids=ids,
                     attention_mask=torch.ones_like(ids),
                     generation_config=gen_cfg,
-                    assistant_model=draft,
+                    **({"assistant_model": draft} if draft is not None else {}),
                 )  # [1, P + n]
                 return [self._cut(out[0, len(p) :].tolist())], calls[0]
             finally:
                 hook.remove()
-                draft.generation_config = saved
+                if draft is not None:
+                    draft.generation_config = saved
 
         return [lambda p=p: call(p) for p in prompts]
 

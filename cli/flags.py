@@ -49,6 +49,13 @@ FLAGS = {
     "compile_mode": ("MODE", "inductor | cudagraph: how --compile does it (default inductor: torch.compile, CUDA "
                              "graphs through it on CUDA; cudagraph: CUDA only, the forwards recorded into CUDA graphs "
                              "with no compiler, 0.1-0.2 s to capture on an H100)"),
+    "speculative_method": ("METHOD", "draft | ngram: where draft tokens come from (default draft: the draft model; "
+                                     "ngram for the SmolLM2 demo pair: each sequence's own tokens, prompt and output, "
+                                     "looked up for its last --prompt-lookup-max down to --prompt-lookup-min tokens "
+                                     "and the tokens that followed copied, no draft model: vLLM's ngram method; the "
+                                     "demo pair's draft is then not loaded)"),
+    "prompt_lookup_max": ("N", f"ngram: the longest suffix looked up (default {_default('prompt_lookup_max')})"),
+    "prompt_lookup_min": ("N", f"ngram: the shortest suffix looked up (default {_default('prompt_lookup_min')})"),
     "calibrate": (None, "--calibrate: before serving (bench: before the exspec method's warm-up), seconds of steps "
                         "(35 s for the demo pair on a slow 2-core CPU) at each batch size and k measure what the "
                         "speculation policy would otherwise explore under live traffic (default); --no-calibrate: it "
@@ -86,7 +93,7 @@ FLAGS = {
 ENGINE_FIELDS = (
     "model", "draft_model", "demo", "device", "dtype", "max_model_len", "num_speculative_tokens", "speculation",
     "max_batch_size", "pool_size", "attention_backend", "kv_cache_memory", "gemm",
-    "compile", "compile_mode", "max_prefill_tokens",
+    "compile", "compile_mode", "max_prefill_tokens", "speculative_method", "prompt_lookup_max", "prompt_lookup_min",
 )
 
 
@@ -112,7 +119,8 @@ def settings_from_args(args: argparse.Namespace, fields=tuple(FLAGS)) -> Setting
 
 
 def resolve_models(settings: Settings):
-    """(target, draft, served name): the given pair, or the built-in demo pair (built on first use)."""
+    """(target, draft, served name): the given pair, or the built-in demo pair (built on first use); where no draft
+    is used (n-gram lookup, the SmolLM2 demo's default, or k = 0), the demo's target alone (`demo_target`)."""
     if settings.model is not None:
         from exspec.engine.gguf import model_name, resolve_model_path
 
@@ -120,7 +128,10 @@ def resolve_models(settings: Settings):
         # a .gguf file (or a directory holding one) becomes its converted, cached Hugging Face directory
         draft = resolve_model_path(settings.draft_model) if settings.draft_model is not None else None
         return resolve_model_path(settings.model), draft, name
-    from exspec.demo import ensure_demo_pair
+    from exspec.demo import demo_target, ensure_demo_pair
 
+    name = settings.served_model_name or "exspec-demo"
+    if settings.resolved_speculative_method == "ngram" or settings.num_speculative_tokens == 0:
+        return demo_target(progress=True, scale=settings.demo), None, name  # no draft to build or load
     target, draft = ensure_demo_pair(progress=True, scale=settings.demo)
-    return target, draft, settings.served_model_name or "exspec-demo"
+    return target, draft, name

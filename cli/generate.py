@@ -116,7 +116,7 @@ def run(args) -> int:
         f"{summary.wall_seconds:.2f} s: {summary.tokens_per_second:.1f} tokens/s; "
         f"mean acceptance length {summary.mean_acceptance_length:.2f}; "
         f"acceptance rate {summary.acceptance_rate:.1%}; "
-        f"grouped steps {summary.grouped_fraction:.1%} (k={cfg.engine.max_num_speculative_tokens if cfg.engine.draft_model else 0} "
+        f"grouped steps {summary.grouped_fraction:.1%} (k={cfg.engine.max_num_speculative_tokens if cfg.engine.speculates else 0} "
         f"{sc.speculation}, B={sc.max_batch_size}, W={sc.pool_size}, max_model_len={cfg.engine.max_model_len})",
         file=sys.stderr,
     )

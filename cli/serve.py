@@ -44,7 +44,7 @@ def build_server(settings: Settings):
         logger.info("no --model: serving the built-in demo pair (built on first use, then cached)")
     target, draft, name = resolve_models(settings)
     cfg = resolve(settings, target, draft)
-    logger.info("loading target %s, draft %s on %s (%s)", target, cfg.engine.draft_model or "none (no speculation)",
+    logger.info("loading target %s, draft %s on %s (%s)", target, cfg.engine.drafter,
                 cfg.engine.device, cfg.engine.dtype)
     engine = SpecEngine(cfg.engine)
     scheduler = AsyncScheduler(engine, cfg.scheduler)
@@ -53,7 +53,7 @@ def build_server(settings: Settings):
     app = build_app(scheduler, server_config(settings, served_model_name=name))
     logger.info(
         "serving %r (k=%d %s, B=%d, W=%d, max_model_len=%d) on http://%s:%d/v1%s",
-        app.state.model_name, cfg.engine.max_num_speculative_tokens if cfg.engine.draft_model else 0,
+        app.state.model_name, cfg.engine.max_num_speculative_tokens if cfg.engine.speculates else 0,
         cfg.scheduler.speculation, cfg.scheduler.max_batch_size, cfg.scheduler.pool_size, cfg.engine.max_model_len,
         settings.host, settings.port, " (API key required)" if settings.api_key else "",
     )

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from exspec.demo.recipe import DEFAULT_DEMO, DEMO_PAIRS
+from exspec.demo.recipe import DEFAULT_DEMO, DEMO_PAIRS, DEMO_SPECULATIVE_METHOD
 from exspec.engine.config import (
-    COMPILE_MODES, DEFAULT_MAX_MODEL_LEN, GEMM_MODES, MAX_SPECULATIVE_TOKENS, position_limit_of,
+    COMPILE_MODES, DEFAULT_MAX_MODEL_LEN, GEMM_MODES, MAX_SPECULATIVE_TOKENS, PROMPT_LOOKUP_LIMIT, PROMPT_LOOKUP_MAX,
+    PROMPT_LOOKUP_MIN, SPECULATIVE_METHODS, position_limit_of,
 )
 from exspec.engine.config import DTYPES as ENGINE_DTYPES
 from exspec.scheduler.types import SchedulerConfig, default_pool_size
@@ -61,6 +62,11 @@ class Settings(BaseSettings):
     # draft and verify forwards compiled at static shapes (engine/static_forward.py); off everywhere until measured
     compile: bool = False
     compile_mode: str = "inductor"  # how --compile does it: one of engine/config.py COMPILE_MODES
+    # where drafts come from: "draft" (the draft model) or "ngram" (lookup in each sequence's tokens, no draft model);
+    # None: the demo pair's own default without --model (DEMO_SPECULATIVE_METHOD), else "draft" (resolved_...)
+    speculative_method: str | None = None
+    prompt_lookup_max: int = Field(default=PROMPT_LOOKUP_MAX, ge=1, le=PROMPT_LOOKUP_LIMIT)  # ngram: longest suffix
+    prompt_lookup_min: int = Field(default=PROMPT_LOOKUP_MIN, ge=1, le=PROMPT_LOOKUP_LIMIT)  # ngram: shortest
     # the scheduler
     speculation: str = DEFAULT_SPECULATION
     calibrate: bool = True  # serve: the policy's calibration steps before serving (SchedulerCore.calibrate)
@@ -95,11 +101,13 @@ class Settings(BaseSettings):
         return value
 
     @field_validator("device", "dtype", "attention_backend", "gemm", "compile_mode", "speculation", "log_level",
-                     "demo")
+                     "demo", "speculative_method")
     @classmethod
     def _one_of(cls, value: str, info: ValidationInfo) -> str:
         """A named choice; the error names the flag and its variable (load_settings), and the choices."""
         field = info.field_name
+        if value is None and field == "speculative_method":
+            return value
         if field == "device":
             if not (value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit())):
                 raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {value!r}")
@@ -109,7 +117,8 @@ class Settings(BaseSettings):
                                  f"got {value!r}")
         else:
             choices = {"dtype": DTYPES, "gemm": GEMM_MODES, "compile_mode": COMPILE_MODES,
-                       "speculation": SPECULATION_MODES, "demo": DEMO_PAIRS, "log_level": LOG_LEVELS}[field]
+                       "speculation": SPECULATION_MODES, "demo": DEMO_PAIRS, "log_level": LOG_LEVELS,
+                       "speculative_method": SPECULATIVE_METHODS}[field]
             if (value.lower() if field == "log_level" else value) not in choices:
                 raise ValueError(f"{field} must be one of {', '.join(choices)}, got {value!r}")
         return value
@@ -125,11 +134,23 @@ class Settings(BaseSettings):
                              f"{self.resolved_pool_size}")
         if self.draft_model is not None and self.model is None:
             raise ValueError("draft_model needs model (without --model the built-in demo pair is used)")
+        if self.resolved_speculative_method == "ngram" and self.draft_model is not None:
+            raise ValueError("speculative_method ngram drafts without a draft model: drop draft_model")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
         return self
 
     @property
     def resolved_kv_cache_memory(self) -> float | int | None:
         return parse_kv_cache_memory(self.kv_cache_memory)
+
+    @property
+    def resolved_speculative_method(self) -> str:
+        """As given; else the built-in demo pair's default (without --model), else "draft"."""
+        if self.speculative_method is not None:
+            return self.speculative_method
+        return DEMO_SPECULATIVE_METHOD.get(self.demo, "draft") if self.model is None else "draft"
 
     @property
     def resolved_pool_size(self) -> int:
@@ -224,12 +245,13 @@ def resolve(
     """The engine's and the scheduler's configs for this pair. A .gguf target or draft (or a directory holding
     one) is converted to a Hugging Face directory first (engine/gguf.py; cached). max_model_len defaults to the
     smaller position limit of the target and the draft; a larger value is an error naming the limit. k = 0 drops
-    the draft."""
+    the draft, and so does speculative_method ngram (the built-in demo pair's: lookup needs no draft model)."""
     from exspec.engine.config import EngineConfig
     from exspec.engine.gguf import resolve_model_path
 
     k = settings.num_speculative_tokens
-    if k == 0:
+    method = settings.resolved_speculative_method
+    if k == 0 or method == "ngram":
         draft = None
     # a .gguf file (or a directory holding one) becomes its converted Hugging Face directory, once, here
     target = resolve_model_path(Path(target))
@@ -258,6 +280,9 @@ def resolve(
         compile=settings.compile,
         compile_mode=settings.compile_mode,
         kv_cache_memory=settings.resolved_kv_cache_memory,
+        speculative_method=method,
+        prompt_lookup_max=settings.prompt_lookup_max,
+        prompt_lookup_min=settings.prompt_lookup_min,
     )
     scheduler = SchedulerConfig(
         max_batch_size=settings.max_batch_size,

@@ -27,6 +27,7 @@ _EXPORTS = {
     "RECIPES": "exspec.demo.recipe",
     "build_demo_pair": "exspec.demo.build",
     "cached_pair": "exspec.demo.cache",
+    "demo_target": "exspec.demo.build",
     "chat_ids": "exspec.demo.tokenizer",
     "default_demo_dir": "exspec.demo.cache",
     "ensure_demo_pair": "exspec.demo.build",
@@ -39,7 +40,7 @@ __getattr__ = lazy_exports(__name__, _EXPORTS, globals())
 
 
 if TYPE_CHECKING:
-    from exspec.demo.build import build_demo_pair, ensure_demo_pair
+    from exspec.demo.build import build_demo_pair, demo_target, ensure_demo_pair
     from exspec.demo.cache import MARKER, PairLocation, cached_pair, default_demo_dir, locate_pair
     from exspec.demo.recipe import FORMAT_VERSION, RECIPES, DemoBuildError, DemoRecipe, ModelShape
     from exspec.demo.tokenizer import CHAT_TEMPLATE, EOS_ID, chat_ids

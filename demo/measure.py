@@ -24,15 +24,21 @@ def measure_agreement(target_dir: Path, draft_dir: Path, num_prompts: int = MEAS
     max_tokens with Hugging Face `generate` (stopping at EOS); the draft then reads prompt + continuation in
     one forward, and every continuation position counts once (agree: the draft's argmax there is the token
     the target chose). The continuations are the reference the engine's greedy output must equal.
+    `lookup_agreement`: the same count for the n-gram lookup (`--speculative-method ngram`, engine/lookup.py, the
+    default suffix lengths) in place of the draft, where it proposes nothing counted as a miss; `lookup_proposed`,
+    the share of positions where it proposes.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from exspec.engine.config import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN
+    from exspec.engine.lookup import propose_ngram
 
     tok = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
     eos, pad = target.config.eos_token_id, target.config.pad_token_id
-    agree = total = ended = 0
+    agree = total = ended = lookup_agree = lookup_proposed = 0
     continuations = []
     with torch.inference_mode():
         for _, text in spec_bench_prompts(num_prompts):
@@ -46,9 +52,15 @@ def measure_agreement(target_dir: Path, draft_dir: Path, num_prompts: int = MEAS
             d_logits = draft(input_ids=out).logits[0, ids.shape[1] - 1 : -1]  # [n, V]
             agree += (d_logits.argmax(-1) == cont).sum().item()
             total += cont.numel()
+            for t in range(ids.shape[1], out.shape[1]):  # the lookup over the tokens before position t
+                guess, valid = propose_ngram(out[:, :t], torch.tensor([t]), 1, PROMPT_LOOKUP_MIN, PROMPT_LOOKUP_MAX)
+                lookup_proposed += int(valid[0, 0])
+                lookup_agree += int(valid[0, 0] and guess[0, 0] == out[0, t])
             continuations.append(cont.tolist())
     return {
         "agreement": agree / max(total, 1),
+        "lookup_agreement": lookup_agree / max(total, 1),
+        "lookup_proposed": lookup_proposed / max(total, 1),
         "positions": total,
         "prompts": len(continuations),
         "ended_with_eos": ended,
@@ -56,9 +68,10 @@ def measure_agreement(target_dir: Path, draft_dir: Path, num_prompts: int = MEAS
     }
 
 
-def measure_acceptance(target_dir: Path, draft_dir: Path, num_prompts: int = MEASURE_PROMPTS, max_tokens: int = 64,
-                       k: int = 4, batch_size: int = 8) -> dict:
-    """The engine's greedy mean acceptance length at a fixed k, through `generate_offline`.
+def measure_acceptance(target_dir: Path, draft_dir: Path | None, num_prompts: int = MEASURE_PROMPTS,
+                       max_tokens: int = 64, k: int = 4, batch_size: int = 8) -> dict:
+    """The engine's greedy mean acceptance length at a fixed k, through `generate_offline`; draft_dir None: n-gram
+    lookup (`speculative_method="ngram"`) instead of the draft.
 
     mean_acceptance_length: tokens emitted per sequence per decode step (1 + accepted draft tokens);
     acceptance_rate: accepted / proposed draft tokens. `outputs` are the generated ids per prompt.
@@ -71,8 +84,9 @@ def measure_acceptance(target_dir: Path, draft_dir: Path, num_prompts: int = MEA
     tok = AutoTokenizer.from_pretrained(target_dir)
     prompts = [chat_ids(tok, text) for _, text in spec_bench_prompts(num_prompts)]
     engine = SpecEngine(EngineConfig(
-        model=Path(target_dir), draft_model=Path(draft_dir), max_num_seqs=batch_size,
+        model=Path(target_dir), draft_model=Path(draft_dir) if draft_dir is not None else None, max_num_seqs=batch_size,
         max_model_len=max(map(len, prompts)) + max_tokens + 1, max_num_speculative_tokens=k,
+        speculative_method="draft" if draft_dir is not None else "ngram",
     ))
     sched = SchedulerConfig(max_batch_size=batch_size, pool_size=batch_size, max_waiting=len(prompts),
                             num_speculative_tokens=k, speculation="fixed")
@@ -152,12 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     ag = measure_agreement(target, draft, a.num_prompts, a.max_tokens)
     print(f"agreement (draft top-1 == target greedy): {ag['agreement']:.1%} over {ag['positions']} positions, "
           f"{ag['prompts']} prompts; {ag['ended_with_eos']} continuations ended with EOS")
-    acc = measure_acceptance(target, draft, a.num_prompts, a.max_tokens, k=a.k, batch_size=a.batch_size)
-    print(f"engine, greedy, k={acc['k']}, batch {a.batch_size}: mean acceptance length "
-          f"{acc['mean_acceptance_length']:.2f}, acceptance rate {acc['acceptance_rate']:.1%} "
-          f"over {acc['sequence_steps']} sequence-steps ({acc['seconds']:.1f} s)")
-    same = sum(o == c for o, c in zip(acc["outputs"], ag["continuations"]))
-    print(f"engine output identical to target greedy (HF generate): {same}/{len(acc['outputs'])}")
+    print(f"agreement of the n-gram lookup instead (--speculative-method ngram): {ag['lookup_agreement']:.1%} "
+          f"(it proposes at {ag['lookup_proposed']:.1%} of the positions)")
+    for name, d in (("draft", draft), ("ngram", None)):
+        acc = measure_acceptance(target, d, a.num_prompts, a.max_tokens, k=a.k, batch_size=a.batch_size)
+        print(f"engine ({name}), greedy, k={acc['k']}, batch {a.batch_size}: mean acceptance length "
+              f"{acc['mean_acceptance_length']:.2f}, acceptance rate {acc['acceptance_rate']:.1%} "
+              f"over {acc['sequence_steps']} sequence-steps ({acc['seconds']:.1f} s)")
+        same = sum(o == c for o, c in zip(acc["outputs"], ag["continuations"]))
+        print(f"engine ({name}) output identical to target greedy (HF generate): {same}/{len(acc['outputs'])}")
     tok = AutoTokenizer.from_pretrained(target)
     for (cat, text), cont in list(zip(spec_bench_prompts(a.num_prompts), ag["continuations"]))[: a.show]:
         print(f"--- [{cat}] {text[:80]!r}\n{tok.decode(cont)!r}")

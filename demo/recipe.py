@@ -111,6 +111,11 @@ IMITATION_RECIPES = {
     ),
 }
 SCALES = (*IMITATION_RECIPES, *RECIPES)
+# Where a demo pair's drafts come from when the user does not say (--speculative-method): SmolLM2's trained draft agrees
+# with it on 10% of held-out tokens and does not pay on a CPU (`auto` runs k = 0), while n-gram lookup in its own
+# tokens proposes the right token at 36% of them and decodes 1.22x faster at B = 1 (docs/BENCHMARKS.md section 5,
+# session 37). The others: their draft model.
+DEMO_SPECULATIVE_METHOD = {"smollm2": "ngram"}
 DEMO_PAIRS = ("smollm2", "tiny")  # the scales a user may pick (--demo); "test" is for the tests
 
 

@@ -43,6 +43,12 @@ GEMM_MODES = ("auto", "packed", "unpadded", "default")  # EngineConfig.gemm (eng
 # captures its decode graphs). "cudagraph" ran on an H100 on 2026-11-27 (docs/BENCHMARKS.md section 0): the 1b pair
 # in bf16 identical to eager at B = 1 and 8, decode 5.6x and 3.0x eager's, 0.1-0.2 s to capture a batch size's graphs.
 COMPILE_MODES = ("inductor", "cudagraph")
+# EngineConfig.speculative_method, where draft tokens come from: "draft" (the draft model's proposals) or "ngram" (no
+# draft model: n-gram lookup in each sequence's own tokens, engine/lookup.py; vLLM's `ngram` method).
+SPECULATIVE_METHODS = ("draft", "ngram")
+# n-gram lookup (speculative_method "ngram"): the longest and shortest suffix looked up (vLLM's prompt_lookup_max and
+# _min). 4 down to 1 measured best on the demo target's held-out answers (docs/BENCHMARKS.md section 5).
+PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, PROMPT_LOOKUP_LIMIT = 4, 1, 16
 # Model config keys that declare a model's position limit, in the order they are looked for.
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
@@ -88,6 +94,9 @@ class EngineConfig:
     # for 30-70 s at its first use; "cudagraph" captures them all when the engine starts (SpecEngine.prepare_static).
     compile: bool = False
     compile_mode: str = "inductor"  # one of COMPILE_MODES: how `compile` makes them fast
+    speculative_method: str = "draft"  # one of SPECULATIVE_METHODS; "ngram" takes no draft_model
+    prompt_lookup_max: int = PROMPT_LOOKUP_MAX  # "ngram": the longest suffix looked up, <= PROMPT_LOOKUP_LIMIT
+    prompt_lookup_min: int = PROMPT_LOOKUP_MIN  # "ngram": the shortest, >= 1 and <= prompt_lookup_max
 
     def __post_init__(self) -> None:
         import torch
@@ -123,6 +132,26 @@ class EngineConfig:
             raise ConfigError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
         if self.compile_mode == "cudagraph" and not self.device.startswith("cuda"):
             raise ConfigError(f"compile_mode 'cudagraph' needs a CUDA device, not {self.device!r}")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                              f"got {self.speculative_method!r}")
+        if self.speculative_method == "ngram" and self.draft_model is not None:
+            raise ConfigError("speculative_method 'ngram' drafts without a draft model: drop draft_model")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= PROMPT_LOOKUP_LIMIT:
+            raise ConfigError(f"prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max <= "
+                              f"{PROMPT_LOOKUP_LIMIT}, got {self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    @property
+    def speculates(self) -> bool:
+        """Whether steps can draft: a draft model, or n-gram lookup (k may still be 0)."""
+        return self.draft_model is not None or self.speculative_method == "ngram"
+
+    @property
+    def drafter(self) -> str:
+        """Where drafts come from, for logs: the draft model's path, "n-gram lookup", or "none (no speculation)"."""
+        if self.speculative_method == "ngram" and self.max_num_speculative_tokens > 0:
+            return f"n-gram lookup (suffixes of {self.prompt_lookup_max} down to {self.prompt_lookup_min} tokens)"
+        return str(self.draft_model) if self.draft_model is not None else "none (no speculation)"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -11,6 +11,7 @@ import torch
 from exspec.engine.config import KV_MEMORY_DEFAULT, EngineConfig
 from exspec.engine.kv_cache import BlockManager, KVPools, SlotAllocator, available_memory
 from exspec.engine.loader import ModelPair, load_model_pair
+from exspec.engine.lookup import propose_ngram
 from exspec.engine.params import SamplingParams
 from exspec.engine.runner import ModelRunner, to_device
 from exspec.engine.sampling import (
@@ -85,6 +86,7 @@ class Penalties:
 class Draft:
     tokens: torch.Tensor  # [B, k] long: proposed tokens d_1..d_k
     probs: torch.Tensor | None  # [B, k, V]: the distributions q they were drawn from; None if all greedy
+    valid: torch.Tensor | None = None  # [B, k] bool: proposed at all (n-gram lookup: False where nothing matched)
 
 
 def _logprobs_width(states, field: str = "logprobs") -> int | None:
@@ -113,7 +115,9 @@ class SpecEngine:
         self.eos_token_ids = self.pair.eos_token_ids
         self.vocab_size = self.pair.vocab_size
         slots, self.max_model_len = config.max_num_seqs, config.max_model_len
-        self.max_k = config.max_num_speculative_tokens if self.pair.draft is not None else 0
+        # speculative_method "ngram": drafts from each row's own tokens (engine/lookup.py), no draft model
+        self.lookup = config.speculative_method == "ngram"
+        self.max_k = config.max_num_speculative_tokens if self.pair.draft is not None or self.lookup else 0
         pool_len = EngineConfig.token_pool_length(self.max_model_len, self.max_k)  # slack for a verify's k + 1
         att = config.attention
         dev = next(self.pair.target.parameters()).device
@@ -155,7 +159,8 @@ class SpecEngine:
 
     @property
     def has_draft(self) -> bool:
-        return self.draft is not None
+        """Whether steps can draft: a draft model, or n-gram lookup."""
+        return self.draft is not None or self.lookup
 
     @property
     def num_free_slots(self) -> int:
@@ -423,9 +428,10 @@ class SpecEngine:
         """
         plan = self._plan(batch)
         t0 = self._clock.mark()
-        draft_lens, caught_up = self._catch_up(plan) if plan.k > 0 else (None, False)
+        models = plan.k > 0 and self.draft is not None  # n-gram lookup has no draft cache to catch up
+        draft_lens, caught_up = self._catch_up(plan) if models else (None, False)
         tc = self._clock.mark()
-        draft = self._propose(plan, draft_lens) if plan.k > 0 else None
+        draft = (self._propose(plan, draft_lens) if models else self._lookup(plan)) if plan.k > 0 else None
         t1 = self._clock.mark()
         raw = self._verify(plan, draft)  # [B, k + 1, V]
         drafts = draft.tokens if draft is not None else None
@@ -525,6 +531,18 @@ class SpecEngine:
             logits = self.draft.extend(tokens, starts, list(plan.slots), select=last, force_per_row=mixed)  # [B, 1, V]
         return self._draft_loop(plan, logits)
 
+    def _lookup(self, plan: StepPlan) -> Draft:
+        """k draft tokens per row by n-gram lookup in its own tokens (engine/lookup.py); rows with no match propose
+        nothing (`valid`). A proposal is certain: where rows sample, its q is one-hot (accepted with probability
+        p(d), `sampling.accept`)."""
+        hist = self.token_buf[plan.slot_t, : max(plan.lengths)]  # [B, T]
+        cfg = self.config
+        tokens, valid = propose_ngram(hist, plan.len_t, plan.k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        probs = None
+        if plan.rows.any_sampling:
+            probs = torch.nn.functional.one_hot(tokens, self.vocab_size).float()  # [B, k, V]
+        return Draft(tokens, probs, valid)
+
     def _draft_loop(self, plan: StepPlan, logits: torch.Tensor) -> Draft:
         """k draft tokens per row from the draft's logits at the pending token ([B, 1, V]): k - 1 more forwards."""
         mixed = not plan.grouped
@@ -597,14 +615,15 @@ class SpecEngine:
         """Accept drafts (Leviathan et al. 2023; see `sampling.accept` for the terms) and write the emitted
         tokens into token_buf. returns tokens [B, k + 1] (the first a + 1 are the output), num_accepted [B]."""
         rows = plan.rows
+        allow = plan.allow if draft is None or draft.valid is None else plan.allow & draft.valid  # [B, k]
         if draft is None:
             tokens = self._sample(logits, rows, plan.out_pos)  # [B, 1]
             num_accepted = torch.zeros(len(plan.seq_ids), dtype=torch.long, device=self.device)
         elif not rows.any_sampling:
-            tokens, num_accepted = accept_greedy(draft.tokens, logits, plan.allow)
+            tokens, num_accepted = accept_greedy(draft.tokens, logits, allow)
         else:
             target_probs = process_probs(logits, rows)  # [B, k + 1, V]
-            tokens, num_accepted = accept(draft.tokens, draft.probs, target_probs, plan.allow, rows.seeds, plan.out_pos)
+            tokens, num_accepted = accept(draft.tokens, draft.probs, target_probs, allow, rows.seeds, plan.out_pos)
         cols = plan.out_pos.clamp(max=self.token_buf.shape[1] - 1)
         self.token_buf[plan.slot_t[:, None], cols] = tokens
         return tokens, num_accepted

@@ -113,10 +113,17 @@ def test_no_model_serves_the_demo_pair_and_the_docs_example_runs(monkeypatch, pa
 
     asked = []
     monkeypatch.setattr(exspec.demo, "ensure_demo_pair", lambda progress=True, scale="?": asked.append(scale) or pair)
+    monkeypatch.setattr(exspec.demo, "demo_target",
+                        lambda progress=True, scale="?": asked.append(f"{scale} target") or pair[0])
     server = build_server(_settings("--max-model-len", "160"))
-    assert asked == ["smollm2"]  # the real pair by default; --demo tiny (EXSPEC_DEMO=tiny) picks the toy pair
+    # the real pair by default, served with n-gram lookup: its target alone, no draft built or loaded
+    assert asked == ["smollm2 target"]
+    engine = server.config.app.state.scheduler.engine
+    assert engine.draft is None and engine.lookup and engine.max_k == 4
+    # its trained draft when asked; --demo tiny (EXSPEC_DEMO=tiny) picks the toy pair, with its draft
+    assert build_server(_settings("--max-model-len", "160", "--speculative-method", "draft")).config.app.state.scheduler.engine.draft is not None
     build_server(_settings("--max-model-len", "160", "--demo", "tiny"))
-    assert asked == ["smollm2", "tiny"]
+    assert asked == ["smollm2 target", "smollm2", "tiny"]
     app = server.config.app
     assert app.state.model_name == "exspec-demo"
     assert (server.config.host, server.config.port) == ("127.0.0.1", 8000)

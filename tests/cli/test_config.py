@@ -29,7 +29,7 @@ def _clean_env(monkeypatch):
 def test_max_model_len_defaults_to_the_smaller_limit_of_the_pair(tmp_path):
     target = _model(tmp_path / "t", max_position_embeddings=1024)
     draft = _model(tmp_path / "d", n_positions=512)
-    cfg = resolve(Settings(), target, draft)
+    cfg = resolve(Settings(model=target), target, draft)
     assert cfg.engine.max_model_len == cfg.position_limit == 512
     assert cfg.engine.max_num_speculative_tokens == 4 and cfg.scheduler.num_speculative_tokens == 4
     assert (cfg.engine.device, cfg.engine.dtype) == ("cpu", "float32")  # auto on a CPU-only machine
@@ -53,10 +53,10 @@ def test_a_length_above_the_limit_names_the_limit(tmp_path):
     target = _model(tmp_path / "t", max_position_embeddings=1024)
     draft = _model(tmp_path / "d", max_position_embeddings=256)
     with pytest.raises(ConfigError, match="position limit 256 .*draft 256"):
-        resolve(Settings(max_model_len=300), target, draft)
-    assert resolve(Settings(max_model_len=256), target, draft).engine.max_model_len == 256
+        resolve(Settings(model=target, max_model_len=300), target, draft)
+    assert resolve(Settings(model=target, max_model_len=256), target, draft).engine.max_model_len == 256
     # k = 0 drops the draft, and with it the draft's limit.
-    assert resolve(Settings(max_model_len=1000, num_speculative_tokens=0), target, draft).engine.draft_model is None
+    assert resolve(Settings(model=target, max_model_len=1000, num_speculative_tokens=0), target, draft).engine.draft_model is None
 
 
 def test_a_long_context_resolves_and_the_kv_memory_setting_reaches_the_engine(tmp_path, monkeypatch):
@@ -115,3 +115,27 @@ def test_compile_mode_is_a_named_choice_carried_to_the_engine(tmp_path):
         load_settings({"compile_mode": "graphs"})
     with pytest.raises(ConfigError, match="compile_mode 'cudagraph' needs a CUDA device"):  # CPU only here
         resolve(load_settings({"compile": True, "compile_mode": "cudagraph", "device": "cpu"}), target, None)
+
+
+def test_ngram_method_drops_the_draft_and_reaches_the_engine(tmp_path, monkeypatch):
+    target = _model(tmp_path / "t", max_position_embeddings=1024)
+    draft = _model(tmp_path / "d", max_position_embeddings=256)
+    assert resolve(Settings(model=target), target, draft).engine.speculative_method == "draft"
+    # the SmolLM2 demo pair (no --model) drafts by lookup unless told otherwise; the toy pair by its draft
+    assert Settings().resolved_speculative_method == "ngram" and Settings(demo="tiny").resolved_speculative_method == "draft"
+    assert resolve(Settings(speculative_method="draft"), target, draft).engine.draft_model == draft
+    cfg = resolve(Settings(prompt_lookup_max=3), target, draft)  # the demo pair's draft, dropped
+    assert cfg.engine.draft_model is None and cfg.engine.speculates  # nor its position limit
+    assert (cfg.engine.speculative_method, cfg.engine.prompt_lookup_max, cfg.engine.prompt_lookup_min) == ("ngram", 3, 1)
+    assert cfg.engine.max_model_len == 1024 and cfg.scheduler.num_speculative_tokens == 4
+    assert "n-gram lookup" in cfg.engine.drafter
+    monkeypatch.setenv("EXSPEC_SPECULATIVE_METHOD", "ngram")
+    assert load_settings({}).speculative_method == "ngram"
+    with pytest.raises(ConfigError, match="speculative_method ngram drafts without a draft model"):
+        load_settings({"model": str(target), "draft_model": str(draft)})
+    with pytest.raises(ConfigError, match="--speculative-method / EXSPEC_SPECULATIVE_METHOD: .*must be one of"):
+        load_settings({"speculative_method": "eagle"})
+    with pytest.raises(ConfigError, match="prompt_lookup_min .* must be <= prompt_lookup_max"):
+        load_settings({"speculative_method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2})
+    with pytest.raises(ConfigError, match="--prompt-lookup-max"):
+        load_settings({"prompt_lookup_max": 17})

@@ -37,6 +37,10 @@ def test_acceptance_goes_through_generate_offline(pair, monkeypatch):
     assert all(1 <= len(o) <= 8 for o in out["outputs"])
     ag = measure.measure_agreement(*pair, num_prompts=5, max_tokens=8)
     assert out["outputs"] == ag["continuations"]  # the engine reproduces HF greedy generate, prompt by prompt
+    assert 0.0 <= ag["lookup_agreement"] <= ag["lookup_proposed"] <= 1.0
+    # n-gram lookup in place of the draft: the same outputs
+    lookup = measure.measure_acceptance(pair[0], None, num_prompts=5, max_tokens=8, k=3, batch_size=2)
+    assert lookup["outputs"] == ag["continuations"] and 1.0 <= lookup["mean_acceptance_length"] <= 4.0
 
 
 def test_forward_latency_is_measured_per_model_and_batch(pair):
@@ -50,7 +54,8 @@ def test_measure_command_prints_all_three(pair, capsys):
     assert measure.main(["--dir", str(d), "--scale", "test", "--num-prompts", "2", "--max-tokens", "4", "--show", "1"]) == 0
     printed = capsys.readouterr().out
     for text in ("decode forward, batch 1", "agreement (draft top-1 == target greedy)", "mean acceptance length",
-                 "engine output identical to target greedy (HF generate): 2/2"):
+                 "agreement of the n-gram lookup instead", "engine (draft) output identical to target greedy (HF "
+                 "generate): 2/2", "engine (ngram) output identical to target greedy (HF generate): 2/2"):
         assert text in printed
 
 

@@ -122,6 +122,15 @@ def test_ensure_reuses_the_cache(monkeypatch):
     monkeypatch.setattr(build, "_build_into", no_rebuild)
     assert ensure_demo_pair(progress=False, scale="test") == (target, draft)
     assert marker.stat().st_mtime_ns == stamp
+    assert build.demo_target(progress=False, scale="test") == target  # the cached pair's target
+
+
+def test_smollm2_target_alone_is_its_gguf_conversion_without_a_draft(smollm2, monkeypatch):
+    """Served with n-gram lookup (the default without --model) the SmolLM2 demo needs no draft: with no pair built,
+    `demo_target` is the GGUF file's cached conversion, and nothing is trained."""
+    monkeypatch.setenv("EXSPEC_CACHE", str(smollm2.cache))  # the session's conversion, no pair in it
+    monkeypatch.setattr(build, "_build_imitation_into", lambda *a, **k: pytest.fail("built the pair"))
+    assert build.demo_target(progress=False) == smollm2.dir
 
 
 def test_incomplete_cache_is_rebuilt(tmp_path):

@@ -58,3 +58,22 @@ def test_a_request_s_life_writes_no_number_from_the_host_and_reads_no_item(model
         engine.temperature[0] = 0.5
         engine.seeds[:1].sum().item()
     assert len(watch.seen) == 2
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_ngram_lookup_steps_write_no_number_from_the_host_and_read_no_item(models, temperature):
+    """`speculative_method="ngram"`: the lookup (engine/lookup.py) and its one-hot q add no wait to a step."""
+    import dataclasses
+
+    from exspec.engine import SpecEngine
+
+    cfg = dataclasses.replace(models.config("llama"), draft_model=None, speculative_method="ngram")
+    engine = SpecEngine(cfg, pair=dataclasses.replace(models.pair("llama"), draft=None))
+    params = SamplingParams(max_tokens=6, temperature=temperature, seed=3)
+    watch = WaitingOps()
+    with watch:
+        seqs = [admit(engine, p, params) for p in ([4, 5, 6, 4, 5], [7, 8, 7, 8, 7, 8], [9, 10, 11])]
+        prefill(engine, [(s, 0, s.length) for s in seqs])
+        step(engine, seqs, 3)
+        step(engine, seqs, 3)
+    assert watch.seen == []

@@ -211,3 +211,20 @@ def test_chat_logprobs_with_a_real_tokenizer(server, tok, reference):
         assert e["bytes"] == list(e["token"].encode("utf-8"))
         assert len(e["top_logprobs"]) == 3 and e["top_logprobs"][0]["token"] == e["token"]
         assert e["top_logprobs"][0]["logprob"] == e["logprob"] <= 0.0
+
+
+def test_generate_with_ngram_lookup_is_the_target_alone(smollm2, reference, tmp_path, monkeypatch, capsys):
+    """`--speculative-method ngram` (no draft model: proposals looked up in each sequence's own tokens) at fixed k = 4
+    on the real model: HF generate's greedy output, and some proposals accepted (the prompts ask for text the
+    reply repeats)."""
+    monkeypatch.setenv("EXSPEC_CACHE", str(smollm2.cache))
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    rc = cli_main(["generate", "--model", str(smollm2.gguf), "--speculative-method", "ngram", "--speculation",
+                   "fixed", "--input", str(src), "--output", str(dst), "--max-tokens", str(MAX_TOKENS),
+                   "--chat-template", "--no-progress", "--max-model-len", "1024"])
+    assert rc == 0
+    assert [json.loads(line)["token_ids"] for line in dst.read_text().splitlines()] == reference
+    summary = capsys.readouterr().err
+    length = float(summary.split("mean acceptance length ")[1].split(";")[0])
+    assert length > 1.0, summary
