@@ -132,7 +132,7 @@ def _throughput(args, template: EngineConfig, resolve_models, resolve_engine: Re
     meta["load average at end"] = _loadavg()
     meta.update({
         "target": str(target),
-        "draft": str(draft),
+        "draft": config.engine.drafter if config.engine.speculative_method == "ngram" else str(draft),
         **extra,
         "prompts": f"{config.num_prompts} SpecBench turns[0]" + (" (chat template)" if config.chat_template else "")
                    + (f", at most {config.max_prompt_len} tokens" if config.max_prompt_len else ""),
