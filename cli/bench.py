@@ -105,5 +105,7 @@ def run(args: argparse.Namespace) -> int:
     from exspec.cli.settings import resolve
 
     settings = settings_from_args(args, BENCH_FIELDS)  # flags, then EXSPEC_* variables, then defaults
+    if args.synthetic is not None and settings.speculative_method is None:  # the demo pair's default is not its own
+        settings = settings.model_copy(update={"speculative_method": "draft"})
     return run_command(args, settings, lambda: resolve_models(settings)[:2],
                        lambda target, draft: resolve(settings, target, draft).engine)

@@ -139,3 +139,15 @@ def test_the_bench_s_own_flags_map_onto_bench_config_by_name(pair_dirs, tmp_path
     assert recorded[2] == replace(default, max_prefill_tokens=64)
     assert set(OPTIONS) == {"methods", "batch_sizes", "num_prompts", "max_prompt_len", "max_tokens", "fixed_ks",
                             "pool_factor", "repeats", "chat_template", "warmup", "interleave"}
+
+
+def test_a_synthetic_pair_drafts_with_its_draft_unless_told_otherwise(tmp_path, recorded):
+    """Without --model the SmolLM2 demo pair's default is n-gram lookup; `--synthetic` is not that pair: its draft
+    drafts unless --speculative-method ngram says otherwise."""
+    cache = tmp_path / "synthetic"
+    for flags, method in (((), "draft"), (("--speculative-method", "ngram"), "ngram")):
+        with pytest.raises(_Stop):
+            main(["bench", "--synthetic", "tiny", "--synthetic-cache", str(cache), "--device", "cpu", "--no-progress",
+                  "--output", str(tmp_path / "out"), *flags])
+        engine = recorded[-1].engine
+        assert engine.speculative_method == method and (engine.draft_model is not None) == (method == "draft")
