@@ -114,27 +114,45 @@ class SchedulerCore:
         rows are the first prompts, as many as the largest batch size asks for (fewer prompts: fewer rows). The
         first step at each batch size runs unreported (a first forward of a shape pays one-off costs). Stops early
         where a row would pass max_model_len or the KV blocks run short. The prompts are prefilled in forwards of at
-        most max_prefill_tokens (rows x width), as served prompts are. Returns the steps reported."""
+        most max_prefill_tokens (rows x width), as served prompts are. A row that has written
+        `calibration_answer_tokens` tokens starts again from its prompt (a new sequence), so that acceptance is
+        measured on answer-length text. Returns the steps reported."""
         if self.pool or self.waiting:
             raise RuntimeError("calibrate runs before any request is admitted")
         plan = self.speculation.calibration(self.config.max_batch_size)
         rows = min(len(prompts), max((b for b, _ in plan), default=0))
         if not plan or rows == 0:
             return 0
-        ids = list(range(self._next_seq_id, self._next_seq_id + rows))
-        self._next_seq_id += rows
-        lengths = [len(p) for p in prompts[:rows]]
+        prompts = [list(p) for p in prompts[:rows]]
+        ids: list[int] = [-1] * rows
+        lengths = [len(p) for p in prompts]
         reported, added = 0, []
-        try:
-            for sid, prompt in zip(ids, prompts):
-                self.engine.add(sid, list(prompt), SamplingParams(max_tokens=self.engine.max_model_len, temperature=0.0))
-                added.append(sid)
-            for chunks in _prefill_chunks(ids, lengths, self.config.max_prefill_tokens):
+        params = SamplingParams(max_tokens=self.engine.max_model_len, temperature=0.0)
+
+        def start(rows_: list[int]) -> None:
+            """Add these rows' prompts as new sequences (freeing what they held) and prefill them."""
+            for i in rows_:
+                if ids[i] in added:
+                    self.engine.free(ids[i])
+                    added.remove(ids[i])
+                ids[i] = self._next_seq_id
+                self._next_seq_id += 1
+                self.engine.add(ids[i], prompts[i], params)
+                added.append(ids[i])
+            for chunks in _prefill_chunks([ids[i] for i in rows_], [len(prompts[i]) for i in rows_],
+                                          self.config.max_prefill_tokens):
                 out = self.engine.prefill(PrefillBatch(chunks, draft=True))
                 self.speculation.observe_prefill(sum(c.end - c.start for c in chunks), out.draft_s)
-            lengths = [n + 1 for n in lengths]  # the first token, sampled at the end of each prompt
+            for i in rows_:
+                lengths[i] = len(prompts[i]) + 1  # the first token, sampled at the end of the prompt
+
+        cap = self.config.calibration_answer_tokens
+        try:
+            start(list(range(rows)))
             warm: set[int] = set()
             for b, k in plan:
+                # rows that wrote `cap` tokens start again: acceptance measured on answer-like text, not on loops
+                start([i for i in range(b) if lengths[i] - len(prompts[i]) >= cap])
                 batch = ids[:b]
                 if max(lengths[:b]) + k + 2 >= self.engine.max_model_len:
                     break

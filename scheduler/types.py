@@ -45,6 +45,11 @@ class SchedulerConfig:
     # where a prefill of max_prefill_tokens is slow (a CPU); the prefill steps that fill free places of the decode
     # batch run back to back within it; 0: no cut.
     max_prefill_chunk_s: float = 0.15
+    # `SchedulerCore.calibrate`: a calibration row that has written this many tokens starts again from its prompt, so
+    # that the policy measures acceptance on text like served answers: decoded on for all of the calibration's steps
+    # (hundreds), a small model's greedy text loops, where n-gram lookup accepts 60-96% per position against about 30%
+    # on 64-token answers (SmolLM2, docs/BENCHMARKS.md section 7), and the policy chose k = 4 at every batch size.
+    calibration_answer_tokens: int = 64
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str, value: object) -> None:
@@ -68,6 +73,8 @@ class SchedulerConfig:
             bad("max_prefill_tokens", ">= 1", self.max_prefill_tokens)
         if not self.max_prefill_chunk_s >= 0:
             bad("max_prefill_chunk_s", ">= 0", self.max_prefill_chunk_s)
+        if self.calibration_answer_tokens < 1:
+            bad("calibration_answer_tokens", ">= 1", self.calibration_answer_tokens)
 
     @property
     def group_threshold(self) -> int:

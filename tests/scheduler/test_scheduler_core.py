@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from exspec.errors import InvalidRequestError
+from exspec.errors import ExspecError, InvalidRequestError
 from exspec.engine.params import SamplingParams
 from tests.support.fake_engine import FakeEngine
 from exspec.scheduler import AsyncScheduler, QueueFullError, SchedulerClosedError, SchedulerConfig, SchedulerCore
@@ -361,7 +361,8 @@ def _planned_batches(plan):
 
 def test_calibrate_runs_the_policys_steps_before_serving_and_frees_everything():
     eng = FakeEngine(num_slots=16, accept=lambda seq, k: 0)  # a draft that never agrees
-    core = SchedulerCore(eng, SchedulerConfig(max_batch_size=4, pool_size=8))
+    # rows never restart here (test_calibrate_restarts_rows_at_answer_length)
+    core = SchedulerCore(eng, SchedulerConfig(max_batch_size=4, pool_size=8, calibration_answer_tokens=10**6))
     free = eng.num_free_blocks
     plan = core.speculation.calibration(4)
     assert plan and max(b for b, _ in plan) == 4
@@ -384,6 +385,30 @@ def test_calibrate_runs_the_policys_steps_before_serving_and_frees_everything():
     assert [s for s, *_ in eng.added[4:]] == [4, 5, 6] and not eng.seqs  # ids after the calibration's
 
 
+def test_calibrate_restarts_rows_at_answer_length():
+    """A calibration row that has written `calibration_answer_tokens` tokens starts again from its prompt (a new
+    sequence): the policy measures acceptance on answer-length text, not on the loops a small model's greedy text
+    falls into over hundreds of tokens. Every step of the plan still runs; everything is freed."""
+    eng = FakeEngine(num_slots=16, accept=lambda seq, k: 0)  # one token a row a step
+    core = SchedulerCore(eng, SchedulerConfig(max_batch_size=3, pool_size=6, calibration_answer_tokens=5))
+    plan = core.speculation.calibration(3)
+    prompts = [[5 + i] * (3 + i) for i in range(3)]
+    assert core.calibrate(prompts) == len(plan)
+    assert [(len(x.seq_ids), x.num_draft_tokens) for x in eng.batches] == _planned_batches(plan)
+    steps_of = {}
+    for x in eng.batches:
+        for sid in x.seq_ids:
+            steps_of[sid] = steps_of.get(sid, 0) + 1
+    # checked before each entry of the plan: the prefill's token + 4 steps' = 5 written, then a new sequence; one step
+    # more where an entry also runs its batch size's first (unreported) step
+    assert max(steps_of.values()) <= 5 and sorted(steps_of.values())[len(steps_of) // 2] == 4
+    assert len(eng.added) > 3 and sorted(eng.freed) == sorted(s for s, *_ in eng.added) and not eng.seqs
+    prompt_of = {s: list(p) for s, p, *_ in eng.added}
+    assert all(prompt_of[x.seq_ids[i]] == prompts[i] for x in eng.batches for i in range(len(x.seq_ids)))  # row i
+    with pytest.raises(ExspecError, match="calibration_answer_tokens must be >= 1"):
+        SchedulerConfig(calibration_answer_tokens=0)
+
+
 def test_calibrate_prefills_in_forwards_of_at_most_max_prefill_tokens():
     """A large batch size must not become one huge prefill forward (B x prompt tokens on a GPU)."""
     eng = FakeEngine(num_slots=16)
@@ -399,7 +424,8 @@ def test_calibrate_prefills_in_forwards_of_at_most_max_prefill_tokens():
         for c in batch.chunks:
             assert c.start == fed.get(c.seq_id, 0)  # in order, each chunk where the last ended
             fed[c.seq_id] = c.end
-    assert sorted(fed.values()) == sorted(len(p) for p in prompts)
+    assert fed == {sid: len(p) for sid, p, _ in eng.added}  # each whole prompt (rows restarted: new sequences)
+    assert sorted({tuple(p) for _, p, _ in eng.added}) == sorted({tuple(p) for p in prompts})
 
 
 def test_calibrate_stops_before_max_model_len_and_when_blocks_run_short():
