@@ -52,10 +52,12 @@ def measure_agreement(target_dir: Path, draft_dir: Path, num_prompts: int = MEAS
             d_logits = draft(input_ids=out).logits[0, ids.shape[1] - 1 : -1]  # [n, V]
             agree += (d_logits.argmax(-1) == cont).sum().item()
             total += cont.numel()
-            for t in range(ids.shape[1], out.shape[1]):  # the lookup over the tokens before position t
-                guess, valid = propose_ngram(out[:, :t], torch.tensor([t]), 1, PROMPT_LOOKUP_MIN, PROMPT_LOOKUP_MAX)
-                lookup_proposed += int(valid[0, 0])
-                lookup_agree += int(valid[0, 0] and guess[0, 0] == out[0, t])
+            # the lookup at every continuation position t at once: row t reads the tokens before t (a row's positions
+            # from its length on are ignored)
+            at = torch.arange(ids.shape[1], out.shape[1])  # [n]
+            guess, valid = propose_ngram(out.expand(len(at), -1), at, 1, PROMPT_LOOKUP_MIN, PROMPT_LOOKUP_MAX)  # [n, 1]
+            lookup_proposed += int(valid[:, 0].sum())
+            lookup_agree += int((valid[:, 0] & (guess[:, 0] == cont)).sum())
             continuations.append(cont.tolist())
     return {
         "agreement": agree / max(total, 1),

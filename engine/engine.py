@@ -428,10 +428,10 @@ class SpecEngine:
         """
         plan = self._plan(batch)
         t0 = self._clock.mark()
-        models = plan.k > 0 and self.draft is not None  # n-gram lookup has no draft cache to catch up
-        draft_lens, caught_up = self._catch_up(plan) if models else (None, False)
+        by_model = plan.k > 0 and not self.lookup  # n-gram lookup has no draft cache to catch up
+        draft_lens, caught_up = self._catch_up(plan) if by_model else (None, False)
         tc = self._clock.mark()
-        draft = (self._propose(plan, draft_lens) if models else self._lookup(plan)) if plan.k > 0 else None
+        draft = self._propose(plan, draft_lens) if by_model else self._lookup(plan) if plan.k > 0 else None
         t1 = self._clock.mark()
         raw = self._verify(plan, draft)  # [B, k + 1, V]
         drafts = draft.tokens if draft is not None else None

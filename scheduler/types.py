@@ -47,8 +47,8 @@ class SchedulerConfig:
     max_prefill_chunk_s: float = 0.15
     # `SchedulerCore.calibrate`: a calibration row that has written this many tokens starts again from its prompt, so
     # that the policy measures acceptance on text like served answers: decoded on for all of the calibration's steps
-    # (hundreds), a small model's greedy text loops, where n-gram lookup accepts 60-96% per position against about 30%
-    # on 64-token answers (SmolLM2, docs/BENCHMARKS.md section 7), and the policy chose k = 4 at every batch size.
+    # (hundreds), a small model's greedy text loops, where n-gram lookup accepted 62-96% per position and the policy
+    # chose k = 4 at every batch size; capped at 64, 10-56% and k = 0 from B = 2 (SmolLM2, docs/BENCHMARKS.md section 7).
     calibration_answer_tokens: int = 64
 
     def __post_init__(self) -> None:
