@@ -1,5 +1,6 @@
 """`exspec demo-models`: build the built-in demo target/draft pair offline (or report the cached one);
-`--show` only says where the pair and its tokenizer are and whether they are built."""
+`--show` only says where the pair and its tokenizer are and whether they are built; `--target-only` prepares only the
+target, which is all the SmolLM2 demo serves with by default (n-gram lookup)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="directory for target/ and draft/ (default: $EXSPEC_CACHE or ~/.cache/exspec/demo; its tiny/ for --demo tiny)",
     )
     parser.add_argument("--force", action="store_true", help="rebuild even if a complete pair is cached")
+    parser.add_argument(
+        "--target-only", action="store_true",
+        help="prepare only what the demo serves by default: for SmolLM2 its target (converted from GGUF, seconds; the "
+             "demo speculates by n-gram lookup), not its trained draft (minutes; used with --speculative-method draft)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="training seed (default: 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     parser.add_argument(
@@ -54,6 +60,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"built:     {'yes' if where.built else 'no'}")
         if where.note:
             print(f"exspec demo-models: {where.note}", file=sys.stderr)
+        return 0
+    if args.target_only:
+        if args.force:
+            raise DemoBuildError("--target-only reuses what is cached: it cannot be combined with --force")
+        from exspec.demo.build import demo_target
+
+        print(f"target: {demo_target(progress=not args.quiet, seed=args.seed, scale=args.scale, out_dir=out)}")
         return 0
     reused = not args.force and cached_pair(out, seed=args.seed, scale=args.scale) is not None
     t0 = time.perf_counter()

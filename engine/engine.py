@@ -11,7 +11,7 @@ import torch
 from exspec.engine.config import KV_MEMORY_DEFAULT, EngineConfig
 from exspec.engine.kv_cache import BlockManager, KVPools, SlotAllocator, available_memory
 from exspec.engine.loader import ModelPair, load_model_pair
-from exspec.engine.lookup import propose_ngram
+from exspec.engine.lookup import ngram_match, propose_ngram
 from exspec.engine.params import SamplingParams
 from exspec.engine.runner import ModelRunner, to_device
 from exspec.engine.sampling import (
@@ -341,17 +341,21 @@ class SpecEngine:
         self.token_buf[slot_t, positions[:, 0]] = first
         t2 = self._clock.mark()
         width = _logprobs_width(states)
+        parts = [first[:, None]]  # [B, 1]
+        if self.lookup:  # where each row's first lookup will match (rows whose prompt is not done: unused)
+            parts.append(self._match(slot_t, positions[:, 0] + 1, max(st.prompt_len for st in states) + 1))
         if width is None and prompt_width is None:
-            packed = first[:, None].tolist()  # [B, 1]: the one host sync
-        else:  # the tokens and their logprobs in one read: [B, 1 (+ 1 + 2 * width) (+ Q * (1 + 2 * prompt_width))]
-            parts = [first[:, None].double()]
+            packed = torch.cat(parts, dim=1).tolist()  # [B, 1 (+ 1)]: the one host sync
+        else:  # the tokens and their logprobs in one read: [B, 1 (+ 1) (+ 1 + 2 * width) (+ Q * (1 + 2 * prompt_width))]
+            parts = [p.double() for p in parts]
             if width is not None:
                 parts.append(token_logprobs(raw, first[:, None], width).flatten(1))
             if prompt_width is not None:
                 parts.append(prompt_lp)
             packed = torch.cat(parts, dim=1).tolist()
         outputs = []
-        after = 1 + (0 if width is None else 1 + 2 * width)  # where a row's prompt logprobs start
+        lead = 1 + self.lookup  # the token (and the match) before a row's logprobs
+        after = lead + (0 if width is None else 1 + 2 * width)  # where a row's prompt logprobs start
         for chunk, st, row, draft_fed in zip(chunks, states, packed, fed):
             st.num_prefilled = chunk.end
             if draft_fed:
@@ -359,16 +363,19 @@ class SpecEngine:
             done = chunk.end == st.prompt_len
             if done:
                 st.length += 1
+                if self.lookup:
+                    st.lookup_n = int(row[1])
             logprobs = prompt_logprobs = None
             if done and st.params.logprobs is not None:
-                logprobs = read_logprobs(row[1:], 1, width, st.params.logprobs)
+                logprobs = read_logprobs(row[lead:], 1, width, st.params.logprobs)
             if st.params.prompt_logprobs is not None:
                 # the chunk's positions start .. end - 1 predict tokens start + 1 .. end; the prompt's last
                 # position predicts the first generated token, reported with `logprobs`
                 num = min(chunk.end, st.prompt_len - 1) - chunk.start
                 prompt_logprobs = (None,) if chunk.start == 0 else ()
                 prompt_logprobs += read_logprobs(row[after:], num, prompt_width, st.params.prompt_logprobs)
-            outputs.append(SeqOutput(chunk.seq_id, (int(row[0]),) if done else (), 0, 0, logprobs, prompt_logprobs))
+            outputs.append(SeqOutput(chunk.seq_id, (int(row[0]),) if done else (), 0, 0, logprobs, prompt_logprobs,
+                                     drafts_next=self._drafts_next(st)))
         return StepOutput(
             outputs=tuple(outputs),
             kind="prefill",
@@ -437,8 +444,10 @@ class SpecEngine:
         drafts = draft.tokens if draft is not None else None
         logits = self._adjust(raw, plan.states, list(plan.generated), plan.penalties, drafts)
         tokens, num_accepted = self._accept(plan, draft, logits)  # [B, k + 1], [B]
+        shadow = self._shadow(plan, tokens) if self.lookup and plan.k == 0 and self.max_k > 0 else None  # [B, 1]
         t2 = self._clock.mark()
-        return self._commit(plan, tokens, num_accepted, raw, (t0, t1), (t1, t2), (t0, tc) if caught_up else None)
+        return self._commit(plan, tokens, num_accepted, raw, (t0, t1), (t1, t2), (t0, tc) if caught_up else None,
+                            shadow)
 
     def _plan(self, batch: StepBatch) -> StepPlan:
         """Resolve the batch: each row's draft budget, its blocks for the step, the batch shape, and the per-step
@@ -456,8 +465,10 @@ class SpecEngine:
         k = min(num_draft_tokens, self.max_k)
         lengths = tuple(st.length for st in states)
         # A row emits at most row_k + 1 tokens, so it never passes max_model_len.
+        # n-gram lookup: a row whose lookup matched nothing at its last commit proposes nothing now (the same tokens)
         row_k = tuple(
-            min(k, self.max_model_len - 1 - n) if st.params.use_speculation else 0 for st, n in zip(states, lengths)
+            min(k, self.max_model_len - 1 - n) if st.params.use_speculation and st.lookup_n != 0 else 0
+            for st, n in zip(states, lengths)
         )
         k = max(row_k)
         slots = tuple(st.slot for st in states)
@@ -542,6 +553,27 @@ class SpecEngine:
         if plan.rows.any_sampling:
             probs = torch.nn.functional.one_hot(tokens, self.vocab_size).float()  # [B, k, V]
         return Draft(tokens, probs, valid)
+
+    def _shadow(self, plan: StepPlan, tokens: torch.Tensor) -> torch.Tensor:
+        """[B, 1] long, of a step without drafts (n-gram lookup): 1 where the row's lookup proposed the token the
+        target chose (`tokens` [B, 1]), 0 where it proposed another, -1 where it proposed nothing. What a first draft
+        would have done, for free: greedy, the same token is acceptance; sampled, the chance of it is p(d), the
+        acceptance probability of a proposal with one-hot q (StepOutput.shadow_proposed)."""
+        hist = self.token_buf[plan.slot_t, : max(plan.lengths)]  # [B, T]: the step's new tokens lie past each length
+        cfg = self.config
+        first, valid = propose_ngram(hist, plan.len_t, 1, cfg.prompt_lookup_min, cfg.prompt_lookup_max)  # [B, 1]
+        return torch.where(valid, (first == tokens[:, :1]).long(), -1)
+
+    def _drafts_next(self, st: SeqState) -> bool:
+        """SeqOutput.drafts_next: whether the row proposes drafts in its next step if it gets k > 0."""
+        return self.max_k > 0 and st.params.use_speculation and st.lookup_n != 0
+
+    def _match(self, slot_t: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+        """[B, 1] long: the length of the suffix each row's lookup matches at `lengths` [B] (0: none), over the first
+        `width` positions of its tokens (at least the longest length)."""
+        hist = self.token_buf[slot_t, : min(width, self.token_buf.shape[1])]  # [B, T]
+        cfg = self.config
+        return ngram_match(hist, lengths, cfg.prompt_lookup_min, cfg.prompt_lookup_max)[1][:, None]
 
     def _draft_loop(self, plan: StepPlan, logits: torch.Tensor) -> Draft:
         """k draft tokens per row from the draft's logits at the pending token ([B, 1, V]): k - 1 more forwards."""
@@ -629,17 +661,24 @@ class SpecEngine:
         return tokens, num_accepted
 
     def _commit(self, plan: StepPlan, tokens, num_accepted, raw_logits, draft_span, verify_span,
-                catchup_span=None) -> StepOutput:
+                catchup_span=None, shadow=None) -> StepOutput:
         """The one host sync (the tokens, and their logprobs from the target's `raw_logits` [B, k + 1, V] where a
         row asks for them); advance each row's lengths by what it accepted. Rollback of rejected drafts is not
         advancing: nothing is copied. The spans are (start, end) clock marks, read after the sync."""
         k = plan.k
         width = _logprobs_width(plan.states)
+        parts = [tokens, num_accepted[:, None]]  # [B, k + 1], [B, 1]
+        if self.lookup:  # where each row's next lookup will match (read with the tokens: no sync of its own)
+            parts.append(self._match(plan.slot_t, plan.len_t + num_accepted + 1, max(plan.lengths) + k + 1))
+        if shadow is not None:
+            parts.append(shadow)
         if width is None:
-            packed = torch.cat([tokens, num_accepted[:, None]], dim=1).tolist()  # [B, k + 2]
-        else:  # float64 holds every token id exactly: one read for both
+            packed = torch.cat(parts, dim=1).tolist()  # [B, k + 2 (+ 1)]
+        else:  # float64 holds every token id exactly: one read for all
             lp = token_logprobs(raw_logits, tokens, width).flatten(1)  # [B, (k + 1) * (1 + 2 * width)]
-            packed = torch.cat([tokens.double(), num_accepted[:, None].double(), lp], dim=1).tolist()
+            packed = torch.cat([p.double() for p in parts] + [lp], dim=1).tolist()
+        after = k + 2 + self.lookup + (shadow is not None)  # where a row's logprobs start
+        shadow_rows = shadow_hits = 0
         seconds = self._clock.seconds
         outputs = []
         per_pos = [0] * k
@@ -651,10 +690,16 @@ class SpecEngine:
                 # Draft KV is valid through the accepted drafts it was fed (it is never fed d_k).
                 st.draft_len = n + min(k - 1, a)
             st.length = n + a + 1
+            if self.lookup:
+                st.lookup_n = int(row[k + 2])
+            if shadow is not None and row[k + 3] >= 0 and st.params.use_speculation:
+                shadow_rows += 1
+                shadow_hits += int(row[k + 3])
             logprobs = None
             if st.params.logprobs is not None:
-                logprobs = read_logprobs(row[k + 2 :], a + 1, width, st.params.logprobs)
-            outputs.append(SeqOutput(sid, tuple(int(t) for t in row[: a + 1]), row_k, a, logprobs))
+                logprobs = read_logprobs(row[after:], a + 1, width, st.params.logprobs)
+            outputs.append(SeqOutput(sid, tuple(int(t) for t in row[: a + 1]), row_k, a, logprobs,
+                                     drafts_next=self._drafts_next(st)))
         return StepOutput(
             outputs=tuple(outputs),
             kind="grouped" if plan.grouped else "mixed",
@@ -664,6 +709,8 @@ class SpecEngine:
             draft_s=seconds(*draft_span),
             verify_s=seconds(*verify_span),
             catchup_s=0.0 if catchup_span is None else seconds(*catchup_span),
+            shadow_proposed=shadow_rows,
+            shadow_accepted=shadow_hits,
         )
 
     # ------------------------------------------------------------------ helpers

@@ -6,7 +6,10 @@ same row, prompt and generated tokens alike; at the most recent earlier occurren
 are the proposal. Where the copy runs into the row's end (the match is less than k tokens back: a loop), it goes
 on from the tokens it has just proposed, as the sequence would if it kept repeating: proposal i is the token at
 `start + i mod (length - start)`, `start` the position after the match. A row with no match proposes nothing
-(`valid` False): its verify columns are computed and not accepted.
+(`valid` False). The engine looks each row up again when it commits a step (`ngram_match`, read with the step's
+tokens): a row whose next lookup will match nothing drafts nothing in the next step (k = 0 for it: it is not
+counted as drafting), and a step where no row matches verifies one column, a plain decoding step, whatever k the
+scheduler asked for.
 
 Why: a greedy small model copies from its prompt (summaries, quotes, code, retrieved text) and repeats itself.
 On the demo pair's 16 held-out SpecBench prompts SmolLM2-135M's greedy answers continue a 4-token match 86% of
@@ -19,14 +22,14 @@ from __future__ import annotations
 import torch
 
 
-def propose_ngram(hist: torch.Tensor, lengths: torch.Tensor, k: int, min_n: int, max_n: int):
-    """hist [B, T] long: each row's tokens, positions >= its length ignored; lengths [B] long, each <= T.
-    returns tokens [B, k] long (the proposals; anything where not valid), valid [B, k] bool."""
+def ngram_match(hist: torch.Tensor, lengths: torch.Tensor, min_n: int, max_n: int):
+    """hist [B, T] long, lengths [B] long (as in `propose_ngram`). returns start [B] long (the position after each
+    row's chosen match; 0 where none), n [B] long (the matched suffix's length, max_n .. min_n; 0: no match)."""
     B, T = hist.shape
     dev = hist.device
     pos = torch.arange(T, device=dev)  # [T]
-    start = torch.zeros(B, dtype=torch.long, device=dev)  # [B]: the position after the chosen match
-    found = torch.zeros(B, dtype=torch.bool, device=dev)  # [B]
+    start = torch.zeros(B, dtype=torch.long, device=dev)  # [B]
+    found_n = torch.zeros(B, dtype=torch.long, device=dev)  # [B]
     for n in range(max_n, min_n - 1, -1):  # longest first; at most max_n - min_n + 1 passes, not a loop over rows
         if T <= n:
             continue
@@ -37,10 +40,18 @@ def propose_ngram(hist: torch.Tensor, lengths: torch.Tensor, k: int, min_n: int,
         # The token after the window must be known (j + n < length), which also rules out the suffix itself.
         hit &= j[None, :] + n < lengths[:, None]
         last = torch.where(hit, j[None, :], -1).amax(dim=1)  # [B]: the most recent match, -1 for none
-        take = ~found & (last >= 0)
+        take = (found_n == 0) & (last >= 0)
         start = torch.where(take, last + n, start)
-        found |= take
+        found_n = torch.where(take, n, found_n)
+    return start, found_n
+
+
+def propose_ngram(hist: torch.Tensor, lengths: torch.Tensor, k: int, min_n: int, max_n: int):
+    """hist [B, T] long: each row's tokens, positions >= its length ignored; lengths [B] long, each <= T.
+    returns tokens [B, k] long (the proposals; anything where not valid), valid [B, k] bool."""
+    B, T = hist.shape
+    start, found_n = ngram_match(hist, lengths, min_n, max_n)  # [B], [B]
     period = (lengths - start).clamp(min=1)  # [B]: how far back the copied tokens lie
-    src = start[:, None] + torch.remainder(torch.arange(k, device=dev)[None, :], period[:, None])  # [B, k]
+    src = start[:, None] + torch.remainder(torch.arange(k, device=hist.device)[None, :], period[:, None])  # [B, k]
     tokens = hist.gather(1, src.clamp(max=T - 1))  # [B, k]
-    return tokens, found[:, None].expand(B, k)
+    return tokens, (found_n > 0)[:, None].expand(B, k)

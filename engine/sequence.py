@@ -31,6 +31,9 @@ class SeqState:
     length: int  # tokens in token_buf[slot]: prompt + every token sampled so far (pending one included)
     num_prefilled: int = 0  # prompt tokens already in both caches (chunked prefill)
     draft_len: int = 0  # draft KV valid for positions [0, draft_len)
+    # speculative_method "ngram": the length of the suffix the row's lookup matched at its last commit (prefill or
+    # step; 0: nothing matched, so its next step drafts nothing for it); -1 before any
+    lookup_n: int = -1
     stop_ids: torch.Tensor | None = None  # [n] long on device: EOS and stop ids (min_tokens suppresses them)
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias: ids [m] long, values [m] float, on device
 

@@ -53,6 +53,9 @@ class SeqOutput:
     # chunk [start, end) predicts tokens start + 1 .. end, less the first generated one), led by None for token 0
     # when start is 0; in order over a prompt's chunks, one per prompt token
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    # whether the sequence proposes drafts in its next step if it gets k > 0: False where it opted out of
+    # speculation, and with n-gram lookup where its tokens so far match nothing (the engine looked it up at this call)
+    drafts_next: bool = True
 
 
 @dataclass(frozen=True)
@@ -66,3 +69,7 @@ class StepOutput:
     verify_s: float  # seconds in the target forward and acceptance
     catchup_s: float = 0.0  # of draft_s: feeding the draft tokens it skipped (a prompt prefilled without the
     # draft, steps without drafts): paid once per token, not a steady cost of this step's k
+    # a step without drafts, n-gram lookup: rows (that may speculate) whose lookup proposed a first token, and of
+    # those, rows where it was the token the target chose (acceptance of a first draft, measured at no cost)
+    shadow_proposed: int = 0
+    shadow_accepted: int = 0

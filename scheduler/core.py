@@ -423,7 +423,8 @@ class SchedulerCore:
         chosen_ids = {id(r) for r in chosen}
         for r in running:
             r.waited = 0 if id(r) in chosen_ids else r.waited + 1
-        k = self.speculation.choose(len(chosen))
+        # rows with nothing to propose (n-gram lookup without a match, opted out) gain nothing from this step's k
+        k = self.speculation.choose(len(chosen), sum(r.drafts_next for r in chosen))
         chosen, k = self._fit_growth(chosen, k)
         if not chosen:
             return [], []
@@ -448,6 +449,8 @@ class SchedulerCore:
         """Report a decode step to the speculation policy: `num_tokens` kept of it in `seconds`."""
         self.speculation.observe(out.batch_size, out.num_draft_tokens, num_tokens, seconds, out.catchup_s,
                                  out.accepted_per_position, sum(1 for o in out.outputs if o.num_draft_tokens))
+        if out.shadow_proposed:
+            self.speculation.observe_proposals(out.shadow_proposed, out.shadow_accepted)
 
     def _fit_growth(self, chosen: list[Request], k: int) -> tuple[list[Request], int]:
         """Make the KV blocks the step needs (each row's positions up to length + k) fit the free ones, so the
@@ -514,6 +517,7 @@ class SchedulerCore:
         for req, so in zip(reqs, out.outputs):
             req.num_draft_tokens += so.num_draft_tokens
             req.num_accepted_tokens += so.num_accepted
+            req.drafts_next = so.drafts_next
             if so.prompt_logprobs is not None and req.prompt_logprobs is not None:
                 req.prompt_logprobs.extend(so.prompt_logprobs)
             if not so.token_ids:  # a prompt chunk that does not complete the prompt

@@ -94,6 +94,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)  # generated tokens kept (cut at stop / length)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    drafts_next: bool = True  # the engine's word (SeqOutput.drafts_next): it proposes drafts in its next decode step
     prompt_logprobs: list | None = None  # TokenLogprob | None per prompt token received so far (prompt_logprobs)
 
     @property

@@ -1,8 +1,9 @@
 """Speculation policies: how many draft tokens each decode step uses. One interface, one file each, registered
 by name (`exspec.registry`).
 
-A policy is pure: no model, no clock. The scheduler asks it `choose(batch_size)` before each decode step,
-`drafting()` before each prefill step, and tells it each decode step's result through `observe(...)`, each
+A policy is pure: no model, no clock. The scheduler asks it `choose(batch_size, drafting_rows)` before each decode step,
+`drafting()` before each prefill step, and tells it each decode step's result through `observe(...)` (and, with
+n-gram lookup, what a step without drafts would have accepted at its first position: `observe_proposals(...)`), each
 prefill step's through `observe_prefill(...)` and each finished request's lengths through
 `observe_finished(...)`. A policy whose k follows measured time (`k_varies`) makes the scheduler decode seeded
 sampled requests without drafts, so that a seed reproduces exactly (which random numbers a sampled row uses
@@ -35,8 +36,10 @@ class SpeculationPolicy:
     def __init__(self, k_max: int) -> None:
         self.k_max = k_max  # the largest k (0: no draft model, or speculation off)
 
-    def choose(self, batch_size: int) -> int:
-        """k for a decode step of `batch_size` rows, 0 <= k <= k_max."""
+    def choose(self, batch_size: int, drafting_rows: int | None = None) -> int:
+        """k for a decode step of `batch_size` rows, 0 <= k <= k_max; `drafting_rows`: how many of them will propose
+        drafts if k > 0 (the engine's `SeqOutput.drafts_next`: with n-gram lookup, those whose tokens match; None:
+        all)."""
         raise NotImplementedError
 
     def prefill_k(self, batch_size: int) -> int:
@@ -64,6 +67,10 @@ class SpeculationPolicy:
         """A decode step's result: `num_tokens` emitted in `seconds` of wall time, of which `catchup_s` fed the
         draft tokens it skipped (paid once per token, not a cost of k); `accepted[i]`: rows whose (i + 1)-th
         draft was accepted; `drafting_rows`: rows that proposed drafts (None: all)."""
+
+    def observe_proposals(self, proposed: int, accepted: int) -> None:
+        """A decode step without drafts where `proposed` rows had a first draft token for free (n-gram lookup), and
+        `accepted` of them proposed the token the target then chose: evidence of the first position's acceptance."""
 
     def observe_prefill(self, num_tokens: int, draft_seconds: float) -> None:
         """A prefill step fed `num_tokens` prompt tokens; `draft_seconds` of its time went to the draft's forward

@@ -24,7 +24,7 @@ class AdaptivePolicy(SpeculationPolicy):
         self._count: dict[tuple[int, int], int] = defaultdict(int)
         self._steps: dict[int, int] = defaultdict(int)
 
-    def choose(self, batch_size: int) -> int:
+    def choose(self, batch_size: int, drafting_rows: int | None = None) -> int:
         if self.k_max == 0:
             return 0
         b = bucket(batch_size)

@@ -12,7 +12,7 @@ class FixedPolicy(SpeculationPolicy):
 
     k_varies = False
 
-    def choose(self, batch_size: int) -> int:
+    def choose(self, batch_size: int, drafting_rows: int | None = None) -> int:
         return self.k_max
 
     def prefill_k(self, batch_size: int) -> int:

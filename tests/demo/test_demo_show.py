@@ -70,3 +70,16 @@ def test_show_with_force_is_refused(tmp_path, capsys):
     assert cli.main(["demo-models", "--show", "--force", "--out", str(tmp_path / "x")]) == 2
     assert "--show builds nothing" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_target_only_prepares_the_target_and_no_draft_where_one_is_trained(tmp_path, capsys):
+    """`exspec demo-models --target-only` (the Docker images' build step): the target the demo serves by default.
+    A pair whose target is trained here (the test scale, as tiny) is built whole; SmolLM2's target is only converted
+    (tests/demo/test_demo_models.py, `demo_target`)."""
+    out = tmp_path / "pair"
+    assert cli.main(["demo-models", "--target-only", "--out", str(out), "--scale", "test", "--quiet"]) == 0
+    assert capsys.readouterr().out.strip() == f"target: {out / 'target'}"
+    assert cli.main(["demo-models", "--target-only", "--out", str(out), "--scale", "test", "--quiet"]) == 0  # cached
+    assert capsys.readouterr().out.strip() == f"target: {out / 'target'}"
+    assert cli.main(["demo-models", "--target-only", "--force", "--out", str(out), "--scale", "test"]) == 2
+    assert "--target-only" in capsys.readouterr().err

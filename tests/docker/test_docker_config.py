@@ -88,7 +88,7 @@ def test_dockerfile_contract(dockerfile):
     assert re.search(r"^USER (?!0\b|root\b)\S+", text, re.M), "the server must run as a non-root user"
     assert 'ENTRYPOINT ["exspec", "serve", "--host", "0.0.0.0"]' in text
     assert re.search(r"^HEALTHCHECK .*\n?.*exspec-healthcheck", text, re.M), "a HEALTHCHECK on /health"
-    assert "exspec demo-models" in text, "the demo pair is built at image build time"
+    assert "exspec demo-models --target-only" in text, "the demo's target is prepared at image build time (no draft)"
     assert re.search(r"EXSPEC_CACHE=/\S+", text), "EXSPEC_CACHE must point inside the image"
     assert "torch==${TORCH_VERSION}" in text and "ARG TORCH_VERSION=2.13.0" in text
     assert "ARG TORCH_INDEX_URL=" in text and "ARG WHEELS_DIR=" in text

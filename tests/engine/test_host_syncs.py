@@ -62,7 +62,8 @@ def test_a_request_s_life_writes_no_number_from_the_host_and_reads_no_item(model
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_ngram_lookup_steps_write_no_number_from_the_host_and_read_no_item(models, temperature):
-    """`speculative_method="ngram"`: the lookup (engine/lookup.py) and its one-hot q add no wait to a step."""
+    """`speculative_method="ngram"`: the lookup (engine/lookup.py), its one-hot q, the next step's match and a plain
+    step's shadow proposal add no wait to a step."""
     import dataclasses
 
     from exspec.engine import SpecEngine
@@ -75,5 +76,6 @@ def test_ngram_lookup_steps_write_no_number_from_the_host_and_read_no_item(model
         seqs = [admit(engine, p, params) for p in ([4, 5, 6, 4, 5], [7, 8, 7, 8, 7, 8], [9, 10, 11])]
         prefill(engine, [(s, 0, s.length) for s in seqs])
         step(engine, seqs, 3)
+        step(engine, seqs, 0)  # a step without drafts still looks up (what it would have proposed)
         step(engine, seqs, 3)
     assert watch.seen == []

@@ -198,3 +198,27 @@ def test_logprobs_on_the_device(models):
         ref = torch.log_softmax(models._ref_model("llama")(torch.tensor([prompts[2]])).logits[0].float(), dim=-1)
     assert all(abs(out.prompt_logprobs[p].logprob - ref[p - 1, prompts[2][p]].item()) < 1e-3 for p in range(1, 12))
     engine.free(seq.seq_id)
+
+
+def test_ngram_lookup_logprobs_are_the_target_s(models):
+    """speculative_method "ngram" packs each row's next lookup match into the step's one read, beside the tokens and
+    their logprobs: the logprobs are still the target's, and the tokens the same as without logprobs."""
+    import dataclasses
+
+    from exspec.engine import SpecEngine
+
+    cfg = dataclasses.replace(models.config("llama"), draft_model=None, speculative_method="ngram")
+
+    def engine():
+        return SpecEngine(cfg, pair=dataclasses.replace(models.pair("llama"), draft=None))
+
+    prompts = [[4, 5, 6, 4, 5, 6, 4], [7, 8, 9, 10], [11, 12, 11, 12, 11]]
+    asks = [2, None, MAX_LOGPROBS]
+    params = [SamplingParams(max_tokens=14, logprobs=n, **({"temperature": 0.9, "seed": 3} if i == 2 else {}))
+              for i, n in enumerate(asks)]
+    results = _run(engine(), prompts, params, 3)
+    for (ids, lps), prompt, prm in zip(results, prompts, params):
+        if prm.logprobs is not None:
+            _check(models, "llama", prompt, ids, lps, prm.logprobs, greedy=prm.greedy)
+    plain = _run(engine(), prompts, [replace(p, logprobs=None) for p in params], 3)
+    assert [ids for ids, _ in plain] == [ids for ids, _ in results]

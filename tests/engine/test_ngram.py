@@ -10,7 +10,7 @@ import pytest
 import torch
 from tests.engine.test_engine_equivalence import assert_matches_reference
 from tests.engine.test_engine_sampling import ALPHA, N_BATCH, N_ROUNDS, V, exact_joint, g_test_pvalue, sample_three
-from tests.support.driver import run_to_end
+from tests.support.driver import admit, prefill, run_to_end, step
 from tests.support.models import ARCHS
 
 from exspec.engine import EngineConfig, ModelPair, SamplingParams, SpecEngine
@@ -105,6 +105,60 @@ def test_ngram_greedy_matches_target(models, arch, k):
     if arch != "gpt2":  # the tiny random GPT-2 rarely repeats itself (1 accepted of 824 at k = 4): the others do
         assert accepted > 0
     assert all(out.catchup_s == 0.0 for out in outs[1:])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_rows_without_a_match_draft_nothing_and_a_step_without_any_verifies_one_column(models, temperature):
+    """The engine looks each row up again when it commits (`ngram_match`, read with the step's tokens): in the next
+    step a row whose lookup matches nothing drafts nothing (num_draft_tokens 0), and a step where no row matches runs
+    as plain decoding (k = 0: one verify column), whatever k was asked for. Checked against the plain-Python lookup
+    on each row's tokens before every step, on prompts that repeat (matches) and prompts that do not."""
+    engine = ngram_engine(models, "llama")
+    k, lo, hi = 3, engine.config.prompt_lookup_min, engine.config.prompt_lookup_max
+    params = SamplingParams(max_tokens=30, temperature=temperature, seed=1, ignore_eos=True)
+    rng = random.Random(5)
+    distinct = [rng.sample(range(4, 200), n) for n in (5, 9, 7)]  # no token twice: no match until the output repeats
+    prompts = repetitive_prompts(3, seed=4) + distinct
+    seqs = [admit(engine, p, params) for p in prompts]
+    prefill(engine, [(s, 0, s.length) for s in seqs])
+    widths, seen = [], {True: 0, False: 0}
+    for _ in range(12):
+        for group in (seqs, seqs[3:]):  # the whole batch, and the prompts without repeats alone
+            live = [s for s in group if not s.finished]
+            if not live:
+                continue
+            expect = [lookup_reference(s.token_ids, k, lo, hi) is not None for s in live]
+            out = step(engine, live, k)
+            assert [o.num_draft_tokens for o in out.outputs] == [k if e else 0 for e in expect]
+            assert out.num_draft_tokens == (k if any(expect) else 0)
+            for e in expect:
+                seen[e] += 1
+            widths.append(out.num_draft_tokens)
+    assert seen[True] > 0 and seen[False] > 0
+    assert 0 in widths and k in widths  # steps without any match ran plain, others drafted
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_step_without_drafts_reports_what_the_lookup_would_have_proposed(models, temperature):
+    """k = 0 steps with lookup: `shadow_proposed` counts the rows whose lookup proposes a first token, and
+    `shadow_accepted` those whose proposal is the token the target then chose (plain-Python lookup as reference)."""
+    engine = ngram_engine(models, "llama")
+    lo, hi = engine.config.prompt_lookup_min, engine.config.prompt_lookup_max
+    params = SamplingParams(max_tokens=40, temperature=temperature, seed=2, ignore_eos=True)
+    seqs = [admit(engine, p, params) for p in repetitive_prompts(5, seed=6)]
+    prefill(engine, [(s, 0, s.length) for s in seqs])
+    totals = [0, 0]
+    for _ in range(25):
+        live = [s for s in seqs if not s.finished]
+        firsts = [lookup_reference(s.token_ids, 1, lo, hi) for s in live]
+        out = step(engine, live, 0)
+        assert out.num_draft_tokens == 0 and all(len(o.token_ids) == 1 for o in out.outputs)
+        assert out.shadow_proposed == sum(f is not None for f in firsts)
+        assert out.shadow_accepted == sum(f is not None and f[0] == o.token_ids[0] for f, o in zip(firsts, out.outputs))
+        totals[0] += out.shadow_proposed
+        totals[1] += out.shadow_accepted
+    assert totals[1] < totals[0] and (totals[1] > 0 or temperature > 0)  # the tiny model samples near-uniformly
+    assert step(engine, [s for s in seqs if not s.finished], 2).shadow_proposed == 0  # drafting steps: none
 
 
 def test_ngram_config_checks(models):

@@ -18,7 +18,7 @@ from exspec.scheduler.request import Request
 class ShrinkPolicy(SpeculationPolicy):  # as it would stand in scheduler/policies/shrink.py
     """k_max for a lone sequence, one draft fewer each time the batch doubles"""
 
-    def choose(self, batch_size: int) -> int:
+    def choose(self, batch_size: int, drafting_rows: int | None = None) -> int:
         return max(0, self.k_max - (batch_size - 1).bit_length())
 
 

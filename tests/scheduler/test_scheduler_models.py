@@ -94,7 +94,7 @@ class _FlippingPolicy(FixedPolicy):
         self.calls += 1
         return self.calls % 3 == 0
 
-    def choose(self, batch_size: int) -> int:
+    def choose(self, batch_size: int, drafting_rows: int | None = None) -> int:
         self.calls += 1
         return (0, 0, 3, 0, 4, 1)[self.calls % 6]
 
@@ -155,3 +155,44 @@ def test_generate_bad_input_exits_2_and_writes_nothing(models, tmp_path, capsys)
         assert not dst.exists(), name
     rc = cli_main(["generate", "--model", str(tmp_path / "missing"), "--input", str(src), "--output", str(dst)])
     assert rc == 2 and "does not exist" in capsys.readouterr().err
+
+
+class _RecordingFixed(FixedPolicy):
+    """Fixed k, recording what the scheduler tells it before each decode step and what the step reports after."""
+
+    def __init__(self, k_max: int) -> None:
+        super().__init__(k_max)
+        self.told, self.seen = [], []
+
+    def choose(self, batch_size: int, drafting_rows: int | None = None) -> int:
+        self.told.append((batch_size, drafting_rows))
+        return self.k_max
+
+    def observe(self, batch_size, k, num_tokens, seconds, catchup_s=0.0, accepted=(), drafting_rows=None) -> None:
+        self.seen.append((batch_size, k, drafting_rows))
+
+
+def test_the_policy_is_told_which_rows_will_draft_by_lookup(models):
+    """speculative_method "ngram": before each decode step the policy hears how many of the chosen rows will propose
+    drafts (the engine's SeqOutput.drafts_next, from the lookup it ran when the row's last call committed), and the step
+    then reports exactly that many rows drafting; a step where none do runs k = 0. Outputs stay the target's."""
+    import dataclasses
+
+    from exspec.engine import SpecEngine
+    from tests.engine.test_ngram import repetitive_prompts
+
+    cfg = dataclasses.replace(models.config("llama"), draft_model=None, speculative_method="ngram", max_num_seqs=8)
+    engine = SpecEngine(cfg, pair=dataclasses.replace(models.pair("llama"), draft=None))
+    rng = random.Random(3)
+    prompts = repetitive_prompts(6, seed=8) + [rng.sample(range(4, 200), n) for n in (4, 7, 5, 9, 6, 8)]
+    max_tokens = [rng.randint(8, 30) for _ in prompts]
+    policy = _RecordingFixed(3)
+    results, _ = generate_offline(engine, prompts, [SamplingParams(max_tokens=m) for m in max_tokens],
+                                  SchedulerConfig(max_batch_size=4, pool_size=8, num_speculative_tokens=3),
+                                  speculation=policy)
+    for prompt, m, r in zip(prompts, max_tokens, results):
+        assert list(r.token_ids) == models.reference("llama", prompt, m)
+    assert len(policy.told) == len(policy.seen) > 0
+    for (b, told), (b2, k, drafted) in zip(policy.told, policy.seen):
+        assert b == b2 and drafted == told and k == (3 if told else 0)
+    assert any(t == 0 for _, t in policy.told) and any(0 < t < b for b, t in policy.told)
