@@ -118,6 +118,8 @@ class SpecEngine:
         # speculative_method "ngram": drafts from each row's own tokens (engine/lookup.py), no draft model
         self.lookup = config.speculative_method == "ngram"
         self.max_k = config.max_num_speculative_tokens if self.pair.draft is not None or self.lookup else 0
+        # a lookup engine that may draft looks each row up again when a call commits (the next step's match)
+        self.lookahead = self.lookup and self.max_k > 0
         pool_len = EngineConfig.token_pool_length(self.max_model_len, self.max_k)  # slack for a verify's k + 1
         att = config.attention
         dev = next(self.pair.target.parameters()).device
@@ -342,7 +344,7 @@ class SpecEngine:
         t2 = self._clock.mark()
         width = _logprobs_width(states)
         parts = [first[:, None]]  # [B, 1]
-        if self.lookup:  # where each row's first lookup will match (rows whose prompt is not done: unused)
+        if self.lookahead:  # where each row's first lookup will match (rows whose prompt is not done: unused)
             parts.append(self._match(slot_t, positions[:, 0] + 1, max(st.prompt_len for st in states) + 1))
         if width is None and prompt_width is None:
             packed = torch.cat(parts, dim=1).tolist()  # [B, 1 (+ 1)]: the one host sync
@@ -354,7 +356,7 @@ class SpecEngine:
                 parts.append(prompt_lp)
             packed = torch.cat(parts, dim=1).tolist()
         outputs = []
-        lead = 1 + self.lookup  # the token (and the match) before a row's logprobs
+        lead = 1 + self.lookahead  # the token (and the match) before a row's logprobs
         after = lead + (0 if width is None else 1 + 2 * width)  # where a row's prompt logprobs start
         for chunk, st, row, draft_fed in zip(chunks, states, packed, fed):
             st.num_prefilled = chunk.end
@@ -363,7 +365,7 @@ class SpecEngine:
             done = chunk.end == st.prompt_len
             if done:
                 st.length += 1
-                if self.lookup:
+                if self.lookahead:
                     st.lookup_n = int(row[1])
             logprobs = prompt_logprobs = None
             if done and st.params.logprobs is not None:
@@ -444,7 +446,7 @@ class SpecEngine:
         drafts = draft.tokens if draft is not None else None
         logits = self._adjust(raw, plan.states, list(plan.generated), plan.penalties, drafts)
         tokens, num_accepted = self._accept(plan, draft, logits)  # [B, k + 1], [B]
-        shadow = self._shadow(plan, tokens) if self.lookup and plan.k == 0 and self.max_k > 0 else None  # [B, 1]
+        shadow = self._shadow(plan, tokens) if self.lookahead and plan.k == 0 else None  # [B, 1]
         t2 = self._clock.mark()
         return self._commit(plan, tokens, num_accepted, raw, (t0, t1), (t1, t2), (t0, tc) if caught_up else None,
                             shadow)
@@ -668,7 +670,7 @@ class SpecEngine:
         k = plan.k
         width = _logprobs_width(plan.states)
         parts = [tokens, num_accepted[:, None]]  # [B, k + 1], [B, 1]
-        if self.lookup:  # where each row's next lookup will match (read with the tokens: no sync of its own)
+        if self.lookahead:  # where each row's next lookup will match (read with the tokens: no sync of its own)
             parts.append(self._match(plan.slot_t, plan.len_t + num_accepted + 1, max(plan.lengths) + k + 1))
         if shadow is not None:
             parts.append(shadow)
@@ -677,7 +679,7 @@ class SpecEngine:
         else:  # float64 holds every token id exactly: one read for all
             lp = token_logprobs(raw_logits, tokens, width).flatten(1)  # [B, (k + 1) * (1 + 2 * width)]
             packed = torch.cat([p.double() for p in parts] + [lp], dim=1).tolist()
-        after = k + 2 + self.lookup + (shadow is not None)  # where a row's logprobs start
+        after = k + 2 + self.lookahead + (shadow is not None)  # where a row's logprobs start
         shadow_rows = shadow_hits = 0
         seconds = self._clock.seconds
         outputs = []
@@ -690,7 +692,7 @@ class SpecEngine:
                 # Draft KV is valid through the accepted drafts it was fed (it is never fed d_k).
                 st.draft_len = n + min(k - 1, a)
             st.length = n + a + 1
-            if self.lookup:
+            if self.lookahead:
                 st.lookup_n = int(row[k + 2])
             if shadow is not None and row[k + 3] >= 0 and st.params.use_speculation:
                 shadow_rows += 1

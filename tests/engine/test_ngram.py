@@ -161,6 +161,25 @@ def test_a_step_without_drafts_reports_what_the_lookup_would_have_proposed(model
     assert step(engine, [s for s in seqs if not s.finished], 2).shadow_proposed == 0  # drafting steps: none
 
 
+def test_a_lookup_engine_without_drafts_looks_nothing_up(models):
+    """speculative_method "ngram" with max_num_speculative_tokens 0 (a server's `--num-speculative-tokens 0`, the load
+    test's baseline): no lookup at commit and no shadow proposals, so plain decoding pays nothing for the method; the
+    tokens and logprobs are the target's."""
+    engine = ngram_engine(models, "llama", max_num_speculative_tokens=0)
+    assert engine.max_k == 0 and not engine.lookahead
+    params = SamplingParams(max_tokens=6, logprobs=2)
+    seqs = [admit(engine, p, params) for p in repetitive_prompts(3, seed=2)]
+    out = prefill(engine, [(s, 0, s.length) for s in seqs])
+    assert all(not o.drafts_next and len(o.logprobs) == 1 for o in out.outputs)
+    for _ in range(5):
+        out = step(engine, seqs, 3)
+        assert out.num_draft_tokens == 0 and out.shadow_proposed == 0
+        assert all(not o.drafts_next and len(o.logprobs) == 1 for o in out.outputs)
+    assert all(engine._seqs[s.seq_id].lookup_n == -1 for s in seqs)
+    for s in seqs:
+        assert s.output_token_ids == models.reference("llama", s.token_ids[: s.prompt_len], 6)
+
+
 def test_ngram_config_checks(models):
     target, draft = models.dirs("llama")
     with pytest.raises(ConfigError, match="without a draft model"):
