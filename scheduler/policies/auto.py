@@ -58,7 +58,8 @@ calibrated model put it 2% or more above); between two k > 0 the one running sta
 `margin` (2%). Where the scheduler says how many of the
 step's rows will draft (`choose(batch_size, drafting_rows)`: with n-gram lookup only rows whose tokens match propose
 anything, and which do is known before the step), the step's k is the argmax of G with that fraction for f (`_for_rows`):
-k = 0 when no row will draft, and the choice follows the step's share of matching rows rather than their mean (in
+k = 0 when no row will draft (an exploration or re-check under way then waits for a step that can measure it), and
+the choice follows the step's share of matching rows rather than their mean (in
 model-free worlds of independent matches, 0.98-1.08x the goodput of the mean's choice at B = 2 to 8, within 4% of the
 best k for each step's matches, tests/scheduler). The plan is computed again every
 `replan_every` steps of a bucket and after any step that measured another k (a plan costs ~0.1 ms of Python,
@@ -419,6 +420,9 @@ class AutoPolicy(SpeculationPolicy):
         for other in self._buckets.values():
             other.share *= 1 - self.share_decay
         st.share += self.share_decay * batch_size
+        if drafting_rows == 0:  # no row has anything to propose: the step runs k = 0 whatever is chosen (the engine's
+            st.exploring = False  # rule), so an exploration or re-check under way waits for a step that can measure it
+            return 0
         k, left = st.burst
         if left > 0:
             st.burst = (k, left - 1)

@@ -938,3 +938,21 @@ def test_auto_learns_acceptance_from_steps_without_drafts():
         assert (policy.acceptance()[0] > before) == (hits > 25)
         plans[hits] = policy.plan(1)[0]
     assert plans[2] == 0 and plans[45] > 0
+
+
+def test_auto_keeps_an_exploration_for_a_step_whose_rows_can_draft():
+    """A step where no row will draft runs k = 0 whatever is chosen (n-gram lookup without a match): the policy says 0
+    and its exploration under way is not spent on it."""
+    policy = create("auto", 4)
+    world = _World([0.8] * 4, 0.05, 0.02, seed=2)
+    for _ in range(50):
+        k = policy.choose(1, 1)
+        n, s, acc = world.step(1, k)
+        policy.observe(1, k, n, s, 0.0, acc, 1 if k else 0)
+        if policy._buckets[1].burst[1] > 0:
+            break
+    st = policy._buckets[1]
+    burst = st.burst
+    assert burst[1] > 0, "an exploration burst under way"
+    assert [policy.choose(1, 0) for _ in range(3)] == [0, 0, 0] and st.burst == burst
+    assert policy.choose(1, 1) == burst[0] and st.burst == (burst[0], burst[1] - 1)
