@@ -11,7 +11,7 @@ import torch
 from exspec.engine.config import KV_MEMORY_DEFAULT, EngineConfig
 from exspec.engine.kv_cache import BlockManager, KVPools, SlotAllocator, available_memory
 from exspec.engine.loader import ModelPair, load_model_pair
-from exspec.engine.lookup import ngram_match, propose_ngram
+from exspec.engine.lookup import ngram_proposals
 from exspec.engine.params import SamplingParams
 from exspec.engine.runner import ModelRunner, to_device
 from exspec.engine.sampling import (
@@ -86,7 +86,6 @@ class Penalties:
 class Draft:
     tokens: torch.Tensor  # [B, k] long: proposed tokens d_1..d_k
     probs: torch.Tensor | None  # [B, k, V]: the distributions q they were drawn from; None if all greedy
-    valid: torch.Tensor | None = None  # [B, k] bool: proposed at all (n-gram lookup: False where nothing matched)
 
 
 def _logprobs_width(states, field: str = "logprobs") -> int | None:
@@ -139,6 +138,8 @@ class SpecEngine:
         self.device = dev
         self.allocator = SlotAllocator(slots)
         self.token_buf = torch.zeros(slots, pool_len, dtype=torch.long, device=dev)  # [slots, pool_len]
+        # n-gram lookup: each row's proposals for its next step, written when a call commits (`_look_ahead`)
+        self.proposals = torch.zeros(slots, self.max_k, dtype=torch.long, device=dev) if self.lookahead else None
         self.temperature = torch.zeros(slots, device=dev)  # [slots]
         self.top_p = torch.ones(slots, device=dev)  # [slots]
         self.top_k = torch.zeros(slots, dtype=torch.long, device=dev)  # [slots]
@@ -344,8 +345,8 @@ class SpecEngine:
         t2 = self._clock.mark()
         width = _logprobs_width(states)
         parts = [first[:, None]]  # [B, 1]
-        if self.lookahead:  # where each row's first lookup will match (rows whose prompt is not done: unused)
-            parts.append(self._match(slot_t, positions[:, 0] + 1, max(st.prompt_len for st in states) + 1))
+        if self.lookahead:  # each row's first lookup (rows whose prompt is not done: unused, redone when it is)
+            parts.append(self._look_ahead(slot_t, positions[:, 0] + 1, max(st.prompt_len for st in states) + 1))
         if width is None and prompt_width is None:
             packed = torch.cat(parts, dim=1).tolist()  # [B, 1 (+ 1)]: the one host sync
         else:  # the tokens and their logprobs in one read: [B, 1 (+ 1) (+ 1 + 2 * width) (+ Q * (1 + 2 * prompt_width))]
@@ -446,10 +447,8 @@ class SpecEngine:
         drafts = draft.tokens if draft is not None else None
         logits = self._adjust(raw, plan.states, list(plan.generated), plan.penalties, drafts)
         tokens, num_accepted = self._accept(plan, draft, logits)  # [B, k + 1], [B]
-        shadow = self._shadow(plan, tokens) if self.lookahead and plan.k == 0 else None  # [B, 1]
         t2 = self._clock.mark()
-        return self._commit(plan, tokens, num_accepted, raw, (t0, t1), (t1, t2), (t0, tc) if caught_up else None,
-                            shadow)
+        return self._commit(plan, tokens, num_accepted, raw, (t0, t1), (t1, t2), (t0, tc) if caught_up else None)
 
     def _plan(self, batch: StepBatch) -> StepPlan:
         """Resolve the batch: each row's draft budget, its blocks for the step, the batch shape, and the per-step
@@ -545,37 +544,28 @@ class SpecEngine:
         return self._draft_loop(plan, logits)
 
     def _lookup(self, plan: StepPlan) -> Draft:
-        """k draft tokens per row by n-gram lookup in its own tokens (engine/lookup.py); rows with no match propose
-        nothing (`valid`). A proposal is certain: where rows sample, its q is one-hot (accepted with probability
-        p(d), `sampling.accept`)."""
-        hist = self.token_buf[plan.slot_t, : max(plan.lengths)]  # [B, T]
-        cfg = self.config
-        tokens, valid = propose_ngram(hist, plan.len_t, plan.k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        """k draft tokens per row by n-gram lookup in its own tokens (engine/lookup.py): the proposals its last call
+        left (`_look_ahead`); rows whose lookup matched nothing have row_k 0, so `allow` refuses theirs. A proposal is
+        certain: where rows sample, its q is one-hot (accepted with probability p(d), `sampling.accept`)."""
+        tokens = self.proposals[plan.slot_t, : plan.k]  # [B, k]
         probs = None
         if plan.rows.any_sampling:
             probs = torch.nn.functional.one_hot(tokens, self.vocab_size).float()  # [B, k, V]
-        return Draft(tokens, probs, valid)
+        return Draft(tokens, probs)
 
-    def _shadow(self, plan: StepPlan, tokens: torch.Tensor) -> torch.Tensor:
-        """[B, 1] long, of a step without drafts (n-gram lookup): 1 where the row's lookup proposed the token the
-        target chose (`tokens` [B, 1]), 0 where it proposed another, -1 where it proposed nothing. What a first draft
-        would have done, for free: greedy, the same token is acceptance; sampled, the chance of it is p(d), the
-        acceptance probability of a proposal with one-hot q (StepOutput.shadow_proposed)."""
-        hist = self.token_buf[plan.slot_t, : max(plan.lengths)]  # [B, T]: the step's new tokens lie past each length
+    def _look_ahead(self, slot_t: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+        """Each row's lookup at its new `lengths` [B] over the first `width` positions of its tokens (at least the
+        longest length): its max_k proposals into `self.proposals` for its next step; returns [B, 1] long, the
+        matched suffix's length (0: none), for the call's one read."""
+        hist = self.token_buf[slot_t, : min(width, self.token_buf.shape[1])]  # [B, T]
         cfg = self.config
-        first, valid = propose_ngram(hist, plan.len_t, 1, cfg.prompt_lookup_min, cfg.prompt_lookup_max)  # [B, 1]
-        return torch.where(valid, (first == tokens[:, :1]).long(), -1)
+        tokens, n = ngram_proposals(hist, lengths, self.max_k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        self.proposals[slot_t] = tokens  # [B, max_k]
+        return n[:, None]
 
     def _drafts_next(self, st: SeqState) -> bool:
         """SeqOutput.drafts_next: whether the row proposes drafts in its next step if it gets k > 0."""
         return self.max_k > 0 and st.params.use_speculation and st.lookup_n != 0
-
-    def _match(self, slot_t: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
-        """[B, 1] long: the length of the suffix each row's lookup matches at `lengths` [B] (0: none), over the first
-        `width` positions of its tokens (at least the longest length)."""
-        hist = self.token_buf[slot_t, : min(width, self.token_buf.shape[1])]  # [B, T]
-        cfg = self.config
-        return ngram_match(hist, lengths, cfg.prompt_lookup_min, cfg.prompt_lookup_max)[1][:, None]
 
     def _draft_loop(self, plan: StepPlan, logits: torch.Tensor) -> Draft:
         """k draft tokens per row from the draft's logits at the pending token ([B, 1, V]): k - 1 more forwards."""
@@ -649,37 +639,38 @@ class SpecEngine:
         """Accept drafts (Leviathan et al. 2023; see `sampling.accept` for the terms) and write the emitted
         tokens into token_buf. returns tokens [B, k + 1] (the first a + 1 are the output), num_accepted [B]."""
         rows = plan.rows
-        allow = plan.allow if draft is None or draft.valid is None else plan.allow & draft.valid  # [B, k]
         if draft is None:
             tokens = self._sample(logits, rows, plan.out_pos)  # [B, 1]
             num_accepted = torch.zeros(len(plan.seq_ids), dtype=torch.long, device=self.device)
         elif not rows.any_sampling:
-            tokens, num_accepted = accept_greedy(draft.tokens, logits, allow)
+            tokens, num_accepted = accept_greedy(draft.tokens, logits, plan.allow)
         else:
             target_probs = process_probs(logits, rows)  # [B, k + 1, V]
-            tokens, num_accepted = accept(draft.tokens, draft.probs, target_probs, allow, rows.seeds, plan.out_pos)
+            tokens, num_accepted = accept(draft.tokens, draft.probs, target_probs, plan.allow, rows.seeds, plan.out_pos)
         cols = plan.out_pos.clamp(max=self.token_buf.shape[1] - 1)
         self.token_buf[plan.slot_t[:, None], cols] = tokens
         return tokens, num_accepted
 
     def _commit(self, plan: StepPlan, tokens, num_accepted, raw_logits, draft_span, verify_span,
-                catchup_span=None, shadow=None) -> StepOutput:
+                catchup_span=None) -> StepOutput:
         """The one host sync (the tokens, and their logprobs from the target's `raw_logits` [B, k + 1, V] where a
         row asks for them); advance each row's lengths by what it accepted. Rollback of rejected drafts is not
         advancing: nothing is copied. The spans are (start, end) clock marks, read after the sync."""
         k = plan.k
         width = _logprobs_width(plan.states)
         parts = [tokens, num_accepted[:, None]]  # [B, k + 1], [B, 1]
-        if self.lookahead:  # where each row's next lookup will match (read with the tokens: no sync of its own)
-            parts.append(self._match(plan.slot_t, plan.len_t + num_accepted + 1, max(plan.lengths) + k + 1))
-        if shadow is not None:
-            parts.append(shadow)
+        shadow = self.lookahead and k == 0
+        if shadow:  # a step without drafts: was the proposal its last call left the target's token? (read before
+            # `_look_ahead` replaces it) 1 / 0, counted where the row had a proposal (lookup_n > 0)
+            parts.append((self.proposals[plan.slot_t, :1] == tokens[:, :1]).long())  # [B, 1]
+        if self.lookahead:  # each row's next lookup (read with the tokens: no sync of its own)
+            parts.append(self._look_ahead(plan.slot_t, plan.len_t + num_accepted + 1, max(plan.lengths) + k + 1))
         if width is None:
-            packed = torch.cat(parts, dim=1).tolist()  # [B, k + 2 (+ 1)]
+            packed = torch.cat(parts, dim=1).tolist()  # [B, k + 2 (+ 1 + 1)]
         else:  # float64 holds every token id exactly: one read for all
             lp = token_logprobs(raw_logits, tokens, width).flatten(1)  # [B, (k + 1) * (1 + 2 * width)]
             packed = torch.cat([p.double() for p in parts] + [lp], dim=1).tolist()
-        after = k + 2 + self.lookahead + (shadow is not None)  # where a row's logprobs start
+        after = k + 2 + shadow + self.lookahead  # where a row's logprobs start
         shadow_rows = shadow_hits = 0
         seconds = self._clock.seconds
         outputs = []
@@ -692,11 +683,11 @@ class SpecEngine:
                 # Draft KV is valid through the accepted drafts it was fed (it is never fed d_k).
                 st.draft_len = n + min(k - 1, a)
             st.length = n + a + 1
-            if self.lookahead:
-                st.lookup_n = int(row[k + 2])
-            if shadow is not None and row[k + 3] >= 0 and st.params.use_speculation:
+            if shadow and st.lookup_n > 0 and st.params.use_speculation:  # lookup_n: the match its proposal came from
                 shadow_rows += 1
-                shadow_hits += int(row[k + 3])
+                shadow_hits += int(row[k + 2])
+            if self.lookahead:
+                st.lookup_n = int(row[after - 1])
             logprobs = None
             if st.params.logprobs is not None:
                 logprobs = read_logprobs(row[after:], a + 1, width, st.params.logprobs)

@@ -6,10 +6,10 @@ same row, prompt and generated tokens alike; at the most recent earlier occurren
 are the proposal. Where the copy runs into the row's end (the match is less than k tokens back: a loop), it goes
 on from the tokens it has just proposed, as the sequence would if it kept repeating: proposal i is the token at
 `start + i mod (length - start)`, `start` the position after the match. A row with no match proposes nothing
-(`valid` False). The engine looks each row up again when it commits a step (`ngram_match`, read with the step's
-tokens): a row whose next lookup will match nothing drafts nothing in the next step (k = 0 for it: it is not
-counted as drafting), and a step where no row matches verifies one column, a plain decoding step, whatever k the
-scheduler asked for.
+(`valid` False). The engine looks each row up once per call, when the call commits (`ngram_proposals` over the
+row's new tokens: the next step's proposals, kept on the device, and the match length, read with the step's tokens):
+a row whose lookup matches nothing drafts nothing in the next step (k = 0 for it: it is not counted as drafting), and
+a step where no row matches verifies one column, a plain decoding step, whatever k the scheduler asked for.
 
 Why: a greedy small model copies from its prompt (summaries, quotes, code, retrieved text) and repeats itself.
 On the demo pair's 16 held-out SpecBench prompts SmolLM2-135M's greedy answers continue a 4-token match 86% of
@@ -46,12 +46,18 @@ def ngram_match(hist: torch.Tensor, lengths: torch.Tensor, min_n: int, max_n: in
     return start, found_n
 
 
-def propose_ngram(hist: torch.Tensor, lengths: torch.Tensor, k: int, min_n: int, max_n: int):
+def ngram_proposals(hist: torch.Tensor, lengths: torch.Tensor, k: int, min_n: int, max_n: int):
     """hist [B, T] long: each row's tokens, positions >= its length ignored; lengths [B] long, each <= T.
-    returns tokens [B, k] long (the proposals; anything where not valid), valid [B, k] bool."""
-    B, T = hist.shape
+    returns tokens [B, k] long (the proposals; anything where nothing matched), n [B] long (`ngram_match`'s length of
+    the matched suffix, 0: none). The first j of k proposals are the j proposals (a prefix)."""
+    T = hist.shape[1]
     start, found_n = ngram_match(hist, lengths, min_n, max_n)  # [B], [B]
     period = (lengths - start).clamp(min=1)  # [B]: how far back the copied tokens lie
     src = start[:, None] + torch.remainder(torch.arange(k, device=hist.device)[None, :], period[:, None])  # [B, k]
-    tokens = hist.gather(1, src.clamp(max=T - 1))  # [B, k]
-    return tokens, (found_n > 0)[:, None].expand(B, k)
+    return hist.gather(1, src.clamp(max=T - 1)), found_n  # [B, k], [B]
+
+
+def propose_ngram(hist: torch.Tensor, lengths: torch.Tensor, k: int, min_n: int, max_n: int):
+    """As `ngram_proposals`, returning tokens [B, k] long and valid [B, k] bool (something matched)."""
+    tokens, found_n = ngram_proposals(hist, lengths, k, min_n, max_n)
+    return tokens, (found_n > 0)[:, None].expand_as(tokens)
