@@ -18,6 +18,7 @@ from pathlib import Path
 METRICS = (
     "output_throughput",
     "mean_ttft_ms", "p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
+    "mean_tpot_ms", "p50_tpot_ms",
     "mean_itl_ms", "p50_itl_ms", "p90_itl_ms", "p99_itl_ms",
     "mean_e2el_ms", "p50_e2el_ms", "p90_e2el_ms", "p99_e2el_ms",
 )

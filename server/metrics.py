@@ -120,6 +120,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("step_duration", Histogram, "exspec_step_duration_seconds", None, "Seconds per step phase",
            labels=("phase",), buckets=_STEP_BUCKETS),
     Metric("batch_size", Histogram, "exspec_batch_size", None, "Sequences per decode step", buckets=_BATCH_BUCKETS),
+    Metric("decode_steps_by_k", Counter, "exspec_decode_steps", None,
+           "Decode steps, by the k they ran (draft tokens per sequence, the speculation policy's choice; 0: none)",
+           labels=("k",)),
     Metric("acceptance_length", Histogram, "exspec_acceptance_length", None,
            "Per speculative decode step: mean tokens emitted per sequence (1 + accepted drafts)",
            buckets=_ACCEPT_BUCKETS),
@@ -238,6 +241,7 @@ class ServerMetrics:
         if stats.kind == "prefill":
             return
         self.batch_size.observe(stats.batch_size)  # of decode steps
+        self.decode_steps_by_k.labels(k=str(stats.num_draft_tokens)).inc()  # what the policy chose, live
         if stats.num_draft_tokens > 0:
             self.acceptance_length.observe(1.0 + accepted / stats.batch_size)  # per decode step
 

@@ -40,6 +40,7 @@ REQUIRED_ON_DASHBOARD = {
     "exspec_scheduler_steps_total": "grouped-step fraction",
     "exspec_step_duration_seconds": "step time by phase",
     "exspec_batch_size": "batch size",
+    "exspec_decode_steps_total": "the k the speculation policy runs",
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 METRIC_NAME = r"\b((?:exspec_|vllm:)[a-z0-9_:]+)"  # the server's two families

@@ -357,6 +357,8 @@ def test_metrics_move_with_requests(srv, client):
     assert moved("exspec_step_duration_seconds_count", (("phase", "verify"),)) == decode_steps + moved(
         "exspec_scheduler_steps_total", (("kind", "prefill"),))
     assert moved("exspec_batch_size_count") == decode_steps
+    by_k = {k: moved("exspec_decode_steps_total", (("k", str(k)),)) for k in range(4)}
+    assert sum(by_k.values()) == decode_steps and by_k[3] >= 1  # fixed k = 3: every step drafts (k <= 3)
     drafted = moved("exspec_spec_decode_num_draft_tokens_total")
     accepted = moved("exspec_spec_decode_num_accepted_tokens_total")
     assert drafted > 0 and 0 <= accepted <= drafted
