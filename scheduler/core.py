@@ -29,6 +29,12 @@ log = logging.getLogger("exspec.scheduler")
 PREFILL_TIME_SHARE = 0.5  # of the engine's time that waiting prompts get while sequences decode
 MIN_STEP_S = 1e-6  # a step reported as taking no time is charged this much (equal costs: steps alternate)
 MIN_PREFILL_CHUNK = 16  # tokens a prefill step may always take, whatever max_prefill_chunk_s allows
+# The prefill seconds running rows may wait between two decode steps are max_prefill_chunk_s per token each row got in
+# its last decode step, up to this many: a step that drafts gives a row several tokens, so the same wait per token
+# lets prefill run longer (at a fixed bound, a drafting step's longer wall time left prompts less of the engine: the
+# demo target at concurrency 4, lookup against k = 0, median time to first token 1.26x, docs/BENCHMARKS.md section 7).
+# Capped so a stream's gap between two chunks stays within a decode step and 2 x max_prefill_chunk_s (issue 22: 0.5 s).
+PREFILL_BOUND_SCALE = 2.0
 PREFILL_SPEED_DECAY = 0.3  # weight of the newest prefill step in the measured seconds per prefill token
 
 
@@ -98,6 +104,7 @@ class SchedulerCore:
         self._next_seq_id = 0
         self._prefill_credit = 0.0  # seconds of engine time prefill may still take before decode's turn
         self._prefill_since_decode = 0.0  # engine seconds of prefill since the last decode step
+        self._tokens_per_row = 1.0  # tokens a row got in the last decode step, mean over its rows (>= 1: drafts)
         self._prefill_s_per_token = 0.0  # measured prefill speed (padding included); 0: not measured yet
         self._prefill_cost = PrefillCost()  # a prefill step's seconds against its padded tokens (plan_prefill)
         self._pending: list[Delta] = []  # deltas of requests that failed outside a step's results
@@ -248,6 +255,9 @@ class SchedulerCore:
         seconds = sum(s.draft_s + s.verify_s for s in stats)  # the step's engine time, as the engine reports it
         self._share_time(bool(prefilling and running), prefill, seconds)
         self._prefill_since_decode = self._prefill_since_decode + seconds if prefill else 0.0
+        rows = sum(s.batch_size for s in stats)
+        if not prefill and rows:
+            self._tokens_per_row = max(1.0, sum(s.num_tokens for s in stats) / rows)
         pending, self._pending = self._pending, []
         return pending + deltas, stats
 
@@ -361,8 +371,13 @@ class SchedulerCore:
         """Whether a prefill step may run to fill free places of the decode batch: right after a decode step (one
         chunk, as ever), then while a chunk of MIN_PREFILL_CHUNK tokens at the measured speed still fits in what is
         left of max_prefill_chunk_s since the running rows' last step (always where it is 0: no bound)."""
-        bound, spent = self.config.max_prefill_chunk_s, self._prefill_since_decode
+        bound, spent = self._chunk_bound(), self._prefill_since_decode
         return bound <= 0 or spent == 0.0 or spent + MIN_PREFILL_CHUNK * self._prefill_s_per_token <= bound
+
+    def _chunk_bound(self) -> float:
+        """Seconds of prefill the running rows may wait between two decode steps: max_prefill_chunk_s per token each got
+        in its last decode step, up to PREFILL_BOUND_SCALE times it (0: no bound)."""
+        return self.config.max_prefill_chunk_s * min(PREFILL_BOUND_SCALE, self._tokens_per_row)
 
     def _prefill_budget(self, contended: bool, spent: float = 0.0) -> int:
         """Tokens (rows x width) the next prefill step may take: max_prefill_tokens, cut while sequences decode
@@ -370,8 +385,9 @@ class SchedulerCore:
         prefill speed (so a running stream waits at most about that long), but never below MIN_PREFILL_CHUNK
         (the prompt still moves)."""
         budget = self.config.max_prefill_tokens
-        if contended and self.config.max_prefill_chunk_s > 0 and self._prefill_s_per_token > 0:
-            fits = int((self.config.max_prefill_chunk_s - spent) / self._prefill_s_per_token)
+        bound = self._chunk_bound()
+        if contended and bound > 0 and self._prefill_s_per_token > 0:
+            fits = int((bound - spent) / self._prefill_s_per_token)
             budget = min(budget, max(MIN_PREFILL_CHUNK, fits))
         return budget
 

@@ -10,7 +10,8 @@ import pytest
 
 from exspec.engine.params import SamplingParams
 from exspec.scheduler import SchedulerConfig, SchedulerCore
-from exspec.scheduler.core import PREFILL_TIME_SHARE
+from exspec.scheduler import core as scheduler_core
+from exspec.scheduler.core import PREFILL_BOUND_SCALE, PREFILL_TIME_SHARE
 from exspec.scheduler.request import Request
 from tests.support.fake_engine import FakeEngine
 
@@ -19,12 +20,18 @@ DECODE_S = 0.010  # a decode step without drafts
 DRAFT_S = 0.010  # each draft token adds this to a decode step (k = 4: 50 ms, 5x a plain step)
 
 
+def _bound_s(k: int, chunk_s: float = 0.15) -> float:
+    """The prefill seconds running rows may wait between two decode steps: chunk_s per token a row got in its last
+    step (TimedEngine accepts every draft: k + 1 tokens), up to PREFILL_BOUND_SCALE x chunk_s."""
+    return chunk_s * min(PREFILL_BOUND_SCALE, k + 1)
+
+
 class TimedEngine(FakeEngine):
     """FakeEngine whose prefill reports time proportional to the tokens (padding included) and whose
     decode step reports DECODE_S + k * DRAFT_S."""
 
-    def __init__(self, prefill_s_per_token: float = PREFILL_S_PER_TOKEN, **kw):
-        super().__init__(step_seconds=lambda n, k: DECODE_S + k * DRAFT_S, accept=lambda s, k: k, **kw)
+    def __init__(self, prefill_s_per_token: float = PREFILL_S_PER_TOKEN, accept=lambda s, k: k, **kw):
+        super().__init__(step_seconds=lambda n, k: DECODE_S + k * DRAFT_S, accept=accept, **kw)
         self.prefill_s_per_token = prefill_s_per_token
 
     def prefill(self, batch):
@@ -42,8 +49,8 @@ class Run:
     """Drives a core step by step on the simulated clock; records when each request emitted tokens and how
     the engine's time went to prefill and decode while both had work."""
 
-    def __init__(self, k: int, prefill_s_per_token: float = PREFILL_S_PER_TOKEN, **cfg):
-        self.engine = TimedEngine(prefill_s_per_token, num_slots=128, max_model_len=10_000)
+    def __init__(self, k: int, prefill_s_per_token: float = PREFILL_S_PER_TOKEN, accept=lambda s, k: k, **cfg):
+        self.engine = TimedEngine(prefill_s_per_token, accept, num_slots=128, max_model_len=10_000)
         config = SchedulerConfig(num_speculative_tokens=k, speculation="fixed", **cfg)
         self.core = SchedulerCore(self.engine, config)
         self.now = 0.0
@@ -175,13 +182,13 @@ def test_a_decode_batch_with_free_places_is_filled_first_within_the_gap_bound(k,
             if stats and awaiting and stats[0].batch_size < 4:
                 streak += 1
                 worst = max(worst, streak)
-    cut = 0.15 / s_per_token  # tokens of one cut chunk
+    cut = _bound_s(k) / s_per_token  # tokens of one cut chunk
     if s_per_token == PREFILL_S_PER_TOKEN:
         assert (long_chunks, worst) == (3, 0), (long_chunks, worst)
     else:
         assert long_chunks >= 1200 / cut and worst == 1, (long_chunks, worst)
     # the bound: a further step only while a chunk of MIN_PREFILL_CHUNK tokens still fits in it, cut to what is left
-    assert longest <= 0.15 + 1e-9, longest
+    assert longest <= _bound_s(k) + 1e-9, longest
 
 
 @pytest.mark.parametrize("k", [0, 4])
@@ -203,7 +210,7 @@ def test_a_slow_prefill_is_cut_to_seconds_while_streams_run(k):
         return max(gaps)
 
     chunk_s = 0.15
-    assert longest_gap(chunk_s) <= decode + (decode + chunk_s) + 1e-9
+    assert longest_gap(chunk_s) <= decode + (decode + _bound_s(k, chunk_s)) + 1e-9
     assert longest_gap(0.0) >= 512 * slow
 
 
@@ -252,7 +259,7 @@ def test_an_offline_run_does_not_cut_prefill_chunks_for_streams(k):
         core.step()
 
     beside = [n for n, decoding in served.long_chunks if decoding]
-    assert beside and max(beside) <= 0.15 / 0.002, served.long_chunks  # cut while rows decode
+    assert beside and max(beside) <= _bound_s(k) / 0.002, served.long_chunks  # cut while rows decode
     # whole chunks, the last one the rest, and all before any row decodes (an offline run prefills first)
     assert min(n for n, _ in offline.long_chunks[:-1]) == 512, offline.long_chunks
     assert not any(decoding for _, decoding in offline.long_chunks), offline.long_chunks
@@ -309,4 +316,33 @@ def test_filling_free_places_stops_before_the_gap_bound(k):
     times = [t for t in run.emitted["0"] if t >= start]
     gaps = [b - a for a, b in zip(times, times[1:])]
     decode = DECODE_S + k * DRAFT_S
-    assert max(gaps) <= decode + 0.15 + 1e-9, (max(gaps), decode)
+    assert max(gaps) <= decode + _bound_s(k) + 1e-9, (max(gaps), decode)
+
+
+def test_the_prefill_bound_follows_the_tokens_a_decode_step_gave(monkeypatch):
+    """One stream at k = 2 beside three 200-token prompts (2 ms a token) in a batch with free places. When each decode
+    step gives the stream 3 tokens (its drafts accepted), prefill may take PREFILL_BOUND_SCALE (2) x max_prefill_chunk_s
+    between two of its steps rather than 1 x, so the prompts reach their first tokens sooner than at a fixed bound; the
+    stream's wait between two decode steps stays within a step and 2 x 0.15 s, and its time per token within what
+    plain decoding would give it (a decode step and 0.15 s)."""
+
+    def run(scale: float) -> tuple[float, float, float]:
+        monkeypatch.setattr(scheduler_core, "PREFILL_BOUND_SCALE", scale)
+        r = Run(2, 0.002, accept=lambda s, k: 2, max_batch_size=4, pool_size=8, max_prefill_tokens=512)
+        r.add(_req(0, 20, 10_000))
+        r.until(lambda: len(r.emitted.get("0", ())) >= 3)
+        start = r.now
+        for i in (1, 2, 3):
+            r.add(_req(i, 200, 4))
+        r.until(lambda: all(str(i) in r.emitted for i in (1, 2, 3)))
+        ttft = sum(r.emitted[str(i)][0] - start for i in (1, 2, 3)) / 3
+        times = [t for t in r.emitted["0"] if t >= start]
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        return ttft, max(gaps), (times[-1] - times[0]) / (3 * (len(times) - 1))  # 3 tokens a step
+
+    fixed_ttft, fixed_gap, _ = run(1.0)
+    ttft, gap, per_token = run(PREFILL_BOUND_SCALE)
+    decode = DECODE_S + 2 * DRAFT_S
+    assert fixed_gap <= decode + 0.15 + 1e-9 < gap <= decode + 2 * 0.15 + 1e-9, (fixed_gap, gap)
+    assert ttft < 0.9 * fixed_ttft, (ttft, fixed_ttft)  # 0.87 s against 0.99 s
+    assert per_token <= DECODE_S + 0.15, per_token
