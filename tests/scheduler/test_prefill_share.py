@@ -300,20 +300,25 @@ def test_an_offline_closed_batch_keeps_its_decode_batches_full(k):
         assert len(engine.rows) == 62, engine.rows
 
 
+def _prompts_beside_a_stream(run: Run, prompt_len: int) -> tuple[list[float], list[float]]:
+    """One stream (request "0") decodes at B = 4; after its third chunk three prompts of `prompt_len` tokens arrive.
+    Returns the times of the stream's chunks from their arrival on, and the prompts' times to first token."""
+    run.add(_req(0, 20, 10_000))
+    run.until(lambda: len(run.emitted.get("0", ())) >= 3)
+    start = run.now
+    for i in (1, 2, 3):
+        run.add(_req(i, prompt_len, 4))
+    run.until(lambda: all(str(i) in run.emitted for i in (1, 2, 3)))
+    return [t for t in run.emitted["0"] if t >= start], [run.emitted[str(i)][0] - start for i in (1, 2, 3)]
+
+
 @pytest.mark.parametrize("k", [0, 4])
 def test_filling_free_places_stops_before_the_gap_bound(k):
     """One stream runs at B = 4; three 60-token prompts arrive (2 ms a token: 0.12 s each). After a decode step one
     prompt is prefilled (0.12 s); a further fill step would need at least MIN_PREFILL_CHUNK tokens (0.032 s), past
     max_prefill_chunk_s (0.15 s), so the stream decodes first: it never waits more than 0.15 s of prefill (a rule that
     filled while any time was left took a 16-token chunk there: 0.152 s)."""
-    run = Run(k, 0.002, max_batch_size=4, pool_size=8, max_prefill_tokens=512)
-    run.add(_req(0, 20, 10_000))
-    run.until(lambda: len(run.emitted.get("0", ())) >= 3)
-    start = run.now
-    for i in (1, 2, 3):
-        run.add(_req(i, 60, 4))
-    run.until(lambda: all(str(i) in run.emitted for i in (1, 2, 3)))
-    times = [t for t in run.emitted["0"] if t >= start]
+    times, _ = _prompts_beside_a_stream(Run(k, 0.002, max_batch_size=4, pool_size=8, max_prefill_tokens=512), 60)
     gaps = [b - a for a, b in zip(times, times[1:])]
     decode = DECODE_S + k * DRAFT_S
     assert max(gaps) <= decode + _bound_s(k) + 1e-9, (max(gaps), decode)
@@ -329,16 +334,9 @@ def test_the_prefill_bound_follows_the_tokens_a_decode_step_gave(monkeypatch):
     def run(scale: float) -> tuple[float, float, float]:
         monkeypatch.setattr(scheduler_core, "PREFILL_BOUND_SCALE", scale)
         r = Run(2, 0.002, accept=lambda s, k: 2, max_batch_size=4, pool_size=8, max_prefill_tokens=512)
-        r.add(_req(0, 20, 10_000))
-        r.until(lambda: len(r.emitted.get("0", ())) >= 3)
-        start = r.now
-        for i in (1, 2, 3):
-            r.add(_req(i, 200, 4))
-        r.until(lambda: all(str(i) in r.emitted for i in (1, 2, 3)))
-        ttft = sum(r.emitted[str(i)][0] - start for i in (1, 2, 3)) / 3
-        times = [t for t in r.emitted["0"] if t >= start]
+        times, ttfts = _prompts_beside_a_stream(r, 200)
         gaps = [b - a for a, b in zip(times, times[1:])]
-        return ttft, max(gaps), (times[-1] - times[0]) / (3 * (len(times) - 1))  # 3 tokens a step
+        return sum(ttfts) / 3, max(gaps), (times[-1] - times[0]) / (3 * (len(times) - 1))  # 3 tokens a step
 
     fixed_ttft, fixed_gap, _ = run(1.0)
     ttft, gap, per_token = run(PREFILL_BOUND_SCALE)
