@@ -7,6 +7,7 @@ import argparse
 
 from exspec.cli.settings import DTYPES, SPECULATION_MODES, Settings, attention_backends, load_settings
 from exspec.engine.config import ATTENTION_DEFAULT, KV_MEMORY_DEFAULT, MAX_SPECULATIVE_TOKENS
+from exspec.scheduler.core import PREFILL_BOUND_SCALE
 from exspec.scheduler.types import POOL_FACTOR, SchedulerConfig
 
 
@@ -69,7 +70,8 @@ FLAGS = {
                          f"(default {_default('max_waiting')})"),
     "max_prefill_tokens": ("N", "tokens (rows x width, padding included) of one prefill step at most; longer "
                                 "prompts are prefilled in chunks, and while sequences decode a chunk is also cut to "
-                                f"about {SchedulerConfig.max_prefill_chunk_s} s (default "
+                                f"about {SchedulerConfig.max_prefill_chunk_s} s per token a running sequence got in its "
+                                f"last step, up to {PREFILL_BOUND_SCALE:g}x (default "
                                 f"{_default('max_prefill_tokens')}; vLLM's max_num_batched_tokens plays this part)"),
     "host": ("HOST", "address to listen on (default 127.0.0.1)"),
     "port": ("PORT", "port to listen on (default 8000)"),
