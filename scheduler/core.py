@@ -33,7 +33,8 @@ MIN_PREFILL_CHUNK = 16  # tokens a prefill step may always take, whatever max_pr
 # its last decode step, up to this many: a step that drafts gives a row several tokens, so the same wait per token
 # lets prefill run longer (at a fixed bound, a drafting step's longer wall time left prompts less of the engine: the
 # demo target at concurrency 4, lookup against k = 0, median time to first token 1.26x, docs/BENCHMARKS.md section 7).
-# Capped so a stream's gap between two chunks stays within a decode step and 2 x max_prefill_chunk_s (issue 22: 0.5 s).
+# Capped so a stream's gap between two chunks stays within a decode step and 2 x max_prefill_chunk_s (issue 22 asks for
+# 0.5 s: not held beside 0.2 s drafting steps, docs/BENCHMARKS.md section 7).
 PREFILL_BOUND_SCALE = 2.0
 PREFILL_SPEED_DECAY = 0.3  # weight of the newest prefill step in the measured seconds per prefill token
 
@@ -238,7 +239,7 @@ class SchedulerCore:
         deltas: list[Delta] = []
         stats: list[StepStats] = []
         # Prefill runs when nothing decodes, when its time share allows, or while the decode batch has free places
-        # (fewer running rows than max_batch_size) and the running rows have waited less than max_prefill_chunk_s
+        # (fewer running rows than max_batch_size) and the running rows have waited less than `_chunk_bound`
         # of prefill since their last step (no bound where it is 0): a decode step costs about the same with more
         # rows (on a GPU, 4 rows cost what 32 do), so filling it first is throughput, and the time bound keeps a
         # running stream's gap as short as one chunk does. An offline run (prefill_first) prefills whenever it can.
@@ -267,7 +268,7 @@ class SchedulerCore:
         prefill step spends its own; prefill runs while the credit is >= 0. So waiting prompts get
         PREFILL_TIME_SHARE of the engine's time however long a decode step is (drafting makes it longer),
         and a running sequence waits between two decode steps at most one decode step's worth of prefill
-        plus one chunk (bounded by max_prefill_tokens and, while sequences decode, by max_prefill_chunk_s).
+        plus one chunk (bounded by max_prefill_tokens and, while sequences decode, by `_chunk_bound`).
         Times are the engine's reported forward seconds."""
         if not contended:  # nothing to share: the next contention starts even
             self._prefill_credit = 0.0
@@ -370,7 +371,7 @@ class SchedulerCore:
     def _may_fill(self) -> bool:
         """Whether a prefill step may run to fill free places of the decode batch: right after a decode step (one
         chunk, as ever), then while a chunk of MIN_PREFILL_CHUNK tokens at the measured speed still fits in what is
-        left of max_prefill_chunk_s since the running rows' last step (always where it is 0: no bound)."""
+        left of `_chunk_bound` since the running rows' last step (always where it is 0: no bound)."""
         bound, spent = self._chunk_bound(), self._prefill_since_decode
         return bound <= 0 or spent == 0.0 or spent + MIN_PREFILL_CHUNK * self._prefill_s_per_token <= bound
 
@@ -381,7 +382,7 @@ class SchedulerCore:
 
     def _prefill_budget(self, contended: bool, spent: float = 0.0) -> int:
         """Tokens (rows x width) the next prefill step may take: max_prefill_tokens, cut while sequences decode
-        to about max_prefill_chunk_s less `spent` (prefill seconds they have already waited) at the measured
+        to about `_chunk_bound` less `spent` (prefill seconds they have already waited) at the measured
         prefill speed (so a running stream waits at most about that long), but never below MIN_PREFILL_CHUNK
         (the prompt still moves)."""
         budget = self.config.max_prefill_tokens

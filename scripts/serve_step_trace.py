@@ -64,7 +64,9 @@ def bursts(path: str, gap_s: float = 1.0) -> list[list[dict]]:
 def summary(steps: list[dict]) -> str:
     dec = [s for s in steps if s["kind"] != "prefill"]
     pre = [s for s in steps if s["kind"] == "prefill"]
-    engine = lambda xs: sum(s["draft_s"] + s["verify_s"] for s in xs)  # noqa: E731
+    def engine(xs: list[dict]) -> float:
+        return sum(s["draft_s"] + s["verify_s"] for s in xs)
+
     tokens, ptokens = sum(s["tokens"] for s in dec), sum(s["prompt_tokens"] for s in pre)
     lines = [f"  {len(steps)} steps over {steps[-1]['start'] + steps[-1]['wall_s'] - steps[0]['start']:.1f} s "
              f"(worker CPU {sum(s['cpu_s'] for s in steps):.1f} s of {sum(s['wall_s'] for s in steps):.1f} s in steps); "

@@ -42,10 +42,10 @@ def test_the_trace_records_each_step_and_the_summary_cuts_bursts(tmp_path, monke
     assert sum(s["tokens"] for s in decode) + 2 == 14  # the first tokens come with the prefill
     assert all(s["k"] == 2 and s["batch_size"] == 2 and s["drafting_rows"] == 2 for s in decode[:-1])
     assert sum(s["prompt_tokens"] for s in steps) == 6 and steps[-1]["running"] == 0
-    # two bursts: the second starts 5 s after the first ended
-    late = [[s["start"] + 5.0 + steps[-1]["wall_s"] + steps[-1]["start"] - steps[0]["start"], *list(s.values())[1:]]
-            for s in steps]
-    path.write_text("".join(json.dumps(x) + "\n" for x in [list(s.values()) for s in steps] + late))
+    # two bursts: the same steps again, starting 5 s after the first ended
+    shift = steps[-1]["start"] + steps[-1]["wall_s"] - steps[0]["start"] + 5.0
+    rows = [list(s.values()) for s in steps]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows + [[r[0] + shift, *r[1:]] for r in rows]))
     parts = st.bursts(str(path))
     assert [len(p) for p in parts] == [len(steps), len(steps)]
     text = st.summary(parts[0])
