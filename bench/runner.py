@@ -343,7 +343,7 @@ class Bench:
         sched = self._scheduler_config(method, b)
         # One policy per (method, B), kept across the warm-up and the timed runs as a server's scheduler keeps
         # it across requests: each run then measures the policy's steady state, not its first steps again.
-        policy = policies.create(sched.speculation, k)
+        policy = policies.create(sched.speculation, k, cfg.draft_model is not None)  # n-gram lookup: no draft model
         self._policies[(method, b)] = policy
         calibrate = method == "exspec" and cfg.calibrate
         return _EngineMethod(f"{method} B={b}", engine, sched, policy, cfg.max_tokens,

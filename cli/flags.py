@@ -7,7 +7,7 @@ import argparse
 
 from exspec.cli.settings import DTYPES, SPECULATION_MODES, Settings, attention_backends, load_settings
 from exspec.engine.config import ATTENTION_DEFAULT, KV_MEMORY_DEFAULT, MAX_SPECULATIVE_TOKENS
-from exspec.scheduler.core import PREFILL_BOUND_SCALE
+from exspec.scheduler.core import PREFILL_BOUND_SCALE, STREAM_GAP_SCALE
 from exspec.scheduler.types import POOL_FACTOR, SchedulerConfig
 
 
@@ -71,7 +71,8 @@ FLAGS = {
     "max_prefill_tokens": ("N", "tokens (rows x width, padding included) of one prefill step at most; longer "
                                 "prompts are prefilled in chunks, and while sequences decode a chunk is also cut to "
                                 f"about {SchedulerConfig.max_prefill_chunk_s} s per token a running sequence got in its "
-                                f"last step, up to {PREFILL_BOUND_SCALE:g}x (default "
+                                f"last step, up to {PREFILL_BOUND_SCALE:g}x, and so that it and a decode step stay "
+                                f"within {STREAM_GAP_SCALE:g}x where more than 1x would pass it (default "
                                 f"{_default('max_prefill_tokens')}; vLLM's max_num_batched_tokens plays this part)"),
     "host": ("HOST", "address to listen on (default 127.0.0.1)"),
     "port": ("PORT", "port to listen on (default 8000)"),

@@ -166,6 +166,11 @@ class SpecEngine:
         return self.draft is not None or self.lookup
 
     @property
+    def has_draft_model(self) -> bool:
+        """Whether the drafts come from a draft model (not n-gram lookup)."""
+        return self.draft is not None
+
+    @property
     def num_free_slots(self) -> int:
         return self.allocator.num_free
 

@@ -33,9 +33,15 @@ MIN_PREFILL_CHUNK = 16  # tokens a prefill step may always take, whatever max_pr
 # its last decode step, up to this many: a step that drafts gives a row several tokens, so the same wait per token
 # lets prefill run longer (at a fixed bound, a drafting step's longer wall time left prompts less of the engine: the
 # demo target at concurrency 4, lookup against k = 0, median time to first token 1.26x, docs/BENCHMARKS.md section 7).
-# Capped so a stream's gap between two chunks stays within a decode step and 2 x max_prefill_chunk_s (issue 22 asks for
-# 0.5 s: not held beside 0.2 s drafting steps, docs/BENCHMARKS.md section 7).
 PREFILL_BOUND_SCALE = 2.0
+# ...and a stream's gap between two chunks (that prefill, then its next decode step, taken as long as its last) is held
+# within this many max_prefill_chunk_s, by cutting the prefill, but never below one max_prefill_chunk_s (where a decode
+# step alone is longer than the rest, the gap is what it was with a bound of one chunk per step). 0.41 s at the default
+# 0.15 s: issue 22 asks for 0.5 s, and a chunk cut at the measured prefill speed overshoots by up to 17%. Beside lookup's
+# k = 4 steps at B = 8 (0.15-0.2 s) on the demo target, the longest gaps were 0.52-0.53 s with the per-token bound alone,
+# 0.48-0.50 s at a scale of 3, 0.44-0.46 s at 2.75 (the long prompt's first token 4-8% later than at 3), and at 2.5 the
+# bound fell below the step, so prefill got less than its share (first token 20-30% later; docs/BENCHMARKS.md section 7).
+STREAM_GAP_SCALE = 2.75
 PREFILL_SPEED_DECAY = 0.3  # weight of the newest prefill step in the measured seconds per prefill token
 
 
@@ -48,7 +54,8 @@ class EngineProtocol(Protocol):
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
-    has_draft: bool
+    has_draft: bool  # steps can draft: a draft model, or n-gram lookup
+    has_draft_model: bool  # the drafts come from a draft model
     num_slots: int  # sequence metadata rows (max_num_seqs)
     num_free_slots: int
     block_size: int  # positions per KV block
@@ -98,7 +105,7 @@ class SchedulerCore:
         self.config = config
         self.prefill_first = prefill_first
         k_max = config.num_speculative_tokens if engine.has_draft else 0
-        self.speculation = speculation or policies.create(config.speculation, k_max)
+        self.speculation = speculation or policies.create(config.speculation, k_max, engine.has_draft_model)
         self.waiting: deque[Request] = deque()
         self.pool: list[Request] = []  # admitted: prefilling or running, in arrival order
         self._by_seq: dict[int, Request] = {}  # engine sequence id -> request, while admitted
@@ -106,6 +113,7 @@ class SchedulerCore:
         self._prefill_credit = 0.0  # seconds of engine time prefill may still take before decode's turn
         self._prefill_since_decode = 0.0  # engine seconds of prefill since the last decode step
         self._tokens_per_row = 1.0  # tokens a row got in the last decode step, mean over its rows (>= 1: drafts)
+        self._decode_s = 0.0  # the last decode step's seconds: its wall time, or its engine time if that is longer
         self._prefill_s_per_token = 0.0  # measured prefill speed (padding included); 0: not measured yet
         self._prefill_cost = PrefillCost()  # a prefill step's seconds against its padded tokens (plan_prefill)
         self._pending: list[Delta] = []  # deltas of requests that failed outside a step's results
@@ -238,18 +246,19 @@ class SchedulerCore:
         running = [r for r in self.pool if r.state is RequestState.RUNNING]
         deltas: list[Delta] = []
         stats: list[StepStats] = []
-        # Prefill runs when nothing decodes, when its time share allows, or while the decode batch has free places
-        # (fewer running rows than max_batch_size) and the running rows have waited less than `_chunk_bound`
-        # of prefill since their last step (no bound where it is 0): a decode step costs about the same with more
-        # rows (on a GPU, 4 rows cost what 32 do), so filling it first is throughput, and the time bound keeps a
-        # running stream's gap as short as one chunk does. An offline run (prefill_first) prefills whenever it can.
-        underfilled = len(running) < self.config.max_batch_size and self._may_fill()
+        # Prefill runs when nothing decodes; while rows decode, when its time share allows or the decode batch has
+        # free places (fewer running rows than max_batch_size), and in either case only while the running rows have
+        # waited less than `_chunk_bound` of prefill since their last step (no bound where it is 0): a decode step
+        # costs about the same with more rows (on a GPU, 4 rows cost what 32 do), so filling it first is throughput,
+        # and the time bound keeps a running stream's gap within a decode step and that bound. An offline run
+        # (prefill_first) prefills whenever it can.
         prefill = bool(prefilling) and (
-            self.prefill_first or not running or self._prefill_credit >= 0.0 or underfilled
+            self.prefill_first or not running or (
+                (self._prefill_credit >= 0.0 or len(running) < self.config.max_batch_size) and self._may_fill()
+            )
         )
-        if prefill:
-            # a step that runs only to fill free places takes what is left of the bound; any other, a whole chunk
-            spent = 0.0 if not running or self._prefill_credit >= 0.0 else self._prefill_since_decode
+        if prefill:  # while rows decode, a step takes what is left of the bound
+            spent = self._prefill_since_decode if running else 0.0
             deltas, stats = self._prefill_step(prefilling, t0, self._prefill_budget(bool(running), spent))
         elif running:
             deltas, stats = self._decode_step(running, t0)
@@ -259,6 +268,7 @@ class SchedulerCore:
         rows = sum(s.batch_size for s in stats)
         if not prefill and rows:
             self._tokens_per_row = max(1.0, sum(s.num_tokens for s in stats) / rows)
+            self._decode_s = max(seconds, time.perf_counter() - t0)
         pending, self._pending = self._pending, []
         return pending + deltas, stats
 
@@ -266,10 +276,11 @@ class SchedulerCore:
         """Prefill gets its share of time, not of steps. While prompts wait to be prefilled and sequences
         decode, each decode step earns prefill share / (1 - share) of its engine time as credit and each
         prefill step spends its own; prefill runs while the credit is >= 0. So waiting prompts get
-        PREFILL_TIME_SHARE of the engine's time however long a decode step is (drafting makes it longer),
-        and a running sequence waits between two decode steps at most one decode step's worth of prefill
-        plus one chunk (bounded by max_prefill_tokens and, while sequences decode, by `_chunk_bound`).
-        Times are the engine's reported forward seconds."""
+        PREFILL_TIME_SHARE of the engine's time however long a decode step is (drafting makes it longer), as long as
+        what that takes fits in `_chunk_bound` between two decode steps: a running sequence waits no longer (about: a
+        chunk is cut at the measured prefill speed). Where a decode step earns more than the bound (a step longer than
+        it), prefill gets the bound after each, less than its share, and the credit it could not spend is dropped, not
+        saved for a later turn. Times are the engine's reported forward seconds."""
         if not contended:  # nothing to share: the next contention starts even
             self._prefill_credit = 0.0
             return
@@ -277,7 +288,8 @@ class SchedulerCore:
         if was_prefill:
             self._prefill_credit -= seconds
         else:
-            self._prefill_credit += seconds * PREFILL_TIME_SHARE / (1.0 - PREFILL_TIME_SHARE)
+            earned = seconds * PREFILL_TIME_SHARE / (1.0 - PREFILL_TIME_SHARE)
+            self._prefill_credit = min(self._prefill_credit + earned, earned)
 
     def _admit(self) -> None:
         """Admit waiting requests in FIFO order while a slot, room in the pool and the KV blocks of the
@@ -376,9 +388,12 @@ class SchedulerCore:
         return bound <= 0 or spent == 0.0 or spent + MIN_PREFILL_CHUNK * self._prefill_s_per_token <= bound
 
     def _chunk_bound(self) -> float:
-        """Seconds of prefill the running rows may wait between two decode steps: max_prefill_chunk_s per token each got
-        in its last decode step, up to PREFILL_BOUND_SCALE times it (0: no bound)."""
-        return self.config.max_prefill_chunk_s * min(PREFILL_BOUND_SCALE, self._tokens_per_row)
+        """Seconds of prefill the running rows may wait between two decode steps (0: no bound): max_prefill_chunk_s per
+        token each got in its last decode step, up to PREFILL_BOUND_SCALE times it, and no more than keeps that wait
+        and a decode step as long as the last within STREAM_GAP_SCALE times it, but at least max_prefill_chunk_s."""
+        chunk_s = self.config.max_prefill_chunk_s
+        per_token = chunk_s * min(PREFILL_BOUND_SCALE, self._tokens_per_row)
+        return min(per_token, max(chunk_s, STREAM_GAP_SCALE * chunk_s - self._decode_s))
 
     def _prefill_budget(self, contended: bool, spent: float = 0.0) -> int:
         """Tokens (rows x width) the next prefill step may take: max_prefill_tokens, cut while sequences decode

@@ -11,7 +11,7 @@ depends on k).
 
 To add a policy: a file here named as the policy, with a `SpeculationPolicy` subclass decorated
 `@register("name")`, imported at the bottom of this file (docs/ARCHITECTURE.md has a worked example).
-`--speculation` and `SchedulerConfig.speculation` accept `names()`; `create(name, k_max)` builds one.
+`--speculation` and `SchedulerConfig.speculation` accept `names()`; `create(name, k_max, draft_model=...)` builds one.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ class SpeculationPolicy:
 
     name: ClassVar[str]
     k_varies: ClassVar[bool] = True  # k may change with measured time: seeded sampled requests run without drafts
+    # whether drafts come from a draft model (False: n-gram lookup, no second model's weights between two steps); set by
+    # `create`
+    draft_model: bool = True
 
     def __init__(self, k_max: int) -> None:
         self.k_max = k_max  # the largest k (0: no draft model, or speculation off)
@@ -107,9 +110,12 @@ def names() -> tuple[str, ...]:
     return POLICIES.names()
 
 
-def create(name: str, k_max: int) -> SpeculationPolicy:
-    """The policy `name` for draft budgets up to `k_max`. Raises ValueError naming the choices."""
-    return POLICIES.get(name)(k_max)
+def create(name: str, k_max: int, draft_model: bool = True) -> SpeculationPolicy:
+    """The policy `name` for draft budgets up to `k_max`, its drafts from a draft model or not (`draft_model`).
+    Raises ValueError naming the choices."""
+    policy = POLICIES.get(name)(k_max)
+    policy.draft_model = draft_model
+    return policy
 
 
 from exspec.scheduler.policies import auto, fixed, adaptive  # noqa: E402,F401,I001  (registers them, the default first)

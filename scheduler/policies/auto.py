@@ -19,8 +19,8 @@ the median of the last `window` steady step times (the step's wall time less the
 paid once per token whatever k follows; k = 0 steps measure the target alone; the first `settle_steps` k = 0 steps
 after drafting steps are not recorded:
 right after drafting a k = 0 step costs more than plain decoding does in a row, on the toy pair twice, settling
-over some ten steps). Over k > 0 a line a + b * k is fitted through those medians, weighted
-by their sample counts (k draft forwards and k more query columns in the verify; the jump from k = 0, a
+over some ten steps; with n-gram lookup, no draft model, nothing settles: every step is recorded). Over k > 0 a line
+a + b * k is fitted through those medians, weighted by their sample counts (k draft forwards and k more query columns in the verify; the jump from k = 0, a
 draft forward's fixed cost and the verify's second column, is in a). A measured k's cost is its median
 pulled toward the line (`fit_weight` pseudo-samples), so neighbouring k share their evidence; a k not
 measured is the line's value. With one k > 0 measured the slope is half the one from k = 0 (uncertain);
@@ -488,7 +488,7 @@ class AutoPolicy(SpeculationPolicy):
         # a re-check takes min_samples fresh pairs beside the steps it leaves
         burst = self.min_samples if recheck else self.min_samples - n if n < self.min_samples else 1
         if explore == 0 and st.regime:
-            burst += self.settle_steps  # its first steps settle (unrecorded)
+            burst += self._settle_steps  # its first steps settle (unrecorded)
         if not recheck:
             # the free steps at once only for a bucket with nothing to go on; one that starts from the relative costs
             # of a bucket that drafted earns them as it runs (one per 4 of its steps: a closed batch's drain runs
@@ -544,11 +544,19 @@ class AutoPolicy(SpeculationPolicy):
         st = self._buckets.get(size_bucket(batch_size))
         return st.best if st is not None and self.k_max > 0 else 0
 
+    @property
+    def _settle_steps(self) -> int:
+        """The k = 0 steps after drafting left unrecorded: `settle_steps` after a draft model's steps; none after n-gram
+        lookup's, which run no second model (on the demo target at B = 8, k = 0 steps 1-8 after 12 steps of k = 4 cost
+        0.986x steps 9-20: docs/BENCHMARKS.md section 7)."""
+        return self.settle_steps if self.draft_model else 0
+
     def calibration(self, max_batch_size: int) -> list[tuple[int, int]]:
         """2 x `min_samples` recorded steps of each k in CALIBRATION_KS (up to k_max) at each bucket up to
         max_batch_size, in two rounds of `min_samples` steps of each k: the ks > 0 interleaved step by step (1, 2, 3, 4,
         1, 2, ...; the second round in the reverse order), then k = 0 after `settle_steps` more (k = 0 right after
-        drafting steps costs more than plain decoding does: on the toy pair twice, settling over some ten steps;
+        drafting steps costs more than plain decoding does: on the toy pair twice, settling over some ten steps; none
+        with n-gram lookup, `_settle_steps`;
         interleaved step by step with drafting steps, it made drafting look half as dear as it is; between two k > 0
         no settling is assumed, both run the draft). Two rounds, not one block per k: a slow spell on the machine (a neighbour's burst)
         then skews every k's samples, not one k's relative cost (on the 350m pair at B = 1 a one-block calibration put
@@ -564,7 +572,7 @@ class AutoPolicy(SpeculationPolicy):
         powers = (1 << i for i in range(max(1, max_batch_size).bit_length() + 1))
         sizes = sorted({min(b, max_batch_size) for b in (*range(1, EXACT_SIZES + 1), *powers)})
         ks = [k for k in self.candidates if k in CALIBRATION_KS or k == min(self.k_max, max(CALIBRATION_KS))][1:]
-        n, plain = self.min_samples, [0] * (self.min_samples + self.settle_steps)
+        n, plain = self.min_samples, [0] * (self.min_samples + self._settle_steps)
         rounds = [k for order in (ks, ks[::-1]) for k in [*(k for _ in range(n) for k in order), *plain]]
         return [(b, k) for b in sizes for k in rounds]
 
@@ -643,7 +651,7 @@ class AutoPolicy(SpeculationPolicy):
         if k > 0:
             st.settling = 0
         else:
-            st.settling = self.settle_steps if st.regime else max(0, st.settling - 1)
+            st.settling = self._settle_steps if st.regime else max(0, st.settling - 1)
         st.regime = k > 0
         if k > 0 or st.settling == 0:
             if st.ratios:

@@ -28,10 +28,10 @@ def _bound_s(k: int, chunk_s: float = 0.15) -> float:
 
 class TimedEngine(FakeEngine):
     """FakeEngine whose prefill reports time proportional to the tokens (padding included) and whose
-    decode step reports DECODE_S + k * DRAFT_S."""
+    decode step reports DECODE_S + k * draft_s (DRAFT_S unless given)."""
 
-    def __init__(self, prefill_s_per_token: float = PREFILL_S_PER_TOKEN, accept=lambda s, k: k, **kw):
-        super().__init__(step_seconds=lambda n, k: DECODE_S + k * DRAFT_S, accept=accept, **kw)
+    def __init__(self, prefill_s_per_token: float = PREFILL_S_PER_TOKEN, accept=lambda s, k: k, draft_s=DRAFT_S, **kw):
+        super().__init__(step_seconds=lambda n, k: DECODE_S + k * draft_s, accept=accept, **kw)
         self.prefill_s_per_token = prefill_s_per_token
 
     def prefill(self, batch):
@@ -49,8 +49,9 @@ class Run:
     """Drives a core step by step on the simulated clock; records when each request emitted tokens and how
     the engine's time went to prefill and decode while both had work."""
 
-    def __init__(self, k: int, prefill_s_per_token: float = PREFILL_S_PER_TOKEN, accept=lambda s, k: k, **cfg):
-        self.engine = TimedEngine(prefill_s_per_token, accept, num_slots=128, max_model_len=10_000)
+    def __init__(self, k: int, prefill_s_per_token: float = PREFILL_S_PER_TOKEN, accept=lambda s, k: k,
+                 draft_s: float = DRAFT_S, **cfg):
+        self.engine = TimedEngine(prefill_s_per_token, accept, draft_s, num_slots=128, max_model_len=10_000)
         config = SchedulerConfig(num_speculative_tokens=k, speculation="fixed", **cfg)
         self.core = SchedulerCore(self.engine, config)
         self.now = 0.0
@@ -121,10 +122,11 @@ def test_a_burst_waits_no_longer_for_its_first_token_with_speculation():
     assert max(ttft_spec) <= max(ttft_plain) + DECODE_S + 4 * DRAFT_S, (max(ttft_plain), max(ttft_spec))
 
 
-def _long_prompt_beside_streams(k: int, prefill_s_per_token: float = PREFILL_S_PER_TOKEN, **cfg) -> tuple[Run, float]:
+def _long_prompt_beside_streams(k: int, prefill_s_per_token: float = PREFILL_S_PER_TOKEN, draft_s: float = DRAFT_S,
+                                **cfg) -> tuple[Run, float]:
     """8 streams decoding, then a 4000-token prompt (request "99") run until its first token; returns the run
     and the simulated time the prompt arrived."""
-    run = Run(k, prefill_s_per_token, max_batch_size=8, pool_size=16, max_prefill_tokens=512, **cfg)
+    run = Run(k, prefill_s_per_token, draft_s=draft_s, max_batch_size=8, pool_size=16, max_prefill_tokens=512, **cfg)
     for i in range(8):
         run.add(_req(i, 20, 10_000))
     run.until(lambda: len(run.emitted) == 8)
@@ -344,3 +346,34 @@ def test_the_prefill_bound_follows_the_tokens_a_decode_step_gave(monkeypatch):
     assert fixed_gap <= decode + 0.15 + 1e-9 < gap <= decode + 2 * 0.15 + 1e-9, (fixed_gap, gap)
     assert ttft < 0.9 * fixed_ttft, (ttft, fixed_ttft)  # 0.87 s against 0.99 s
     assert per_token <= DECODE_S + 0.15, per_token
+
+
+@pytest.mark.parametrize("draft_s", [0.05, 0.0725])
+def test_a_long_drafting_step_leaves_less_prefill_so_the_gap_holds(monkeypatch, draft_s):
+    """Issue 22's case as lookup runs it on the demo target: 8 streams at B = 8 whose k = 4 steps take 0.21 s and
+    give each row 5 tokens, beside a 4000-token prompt prefilled at 2 ms a token. The per-token bound alone allows
+    2 x 0.15 s of prefill between two decode steps, so a stream's gap reaches a step and 0.3 s (0.51 s); held within
+    STREAM_GAP_SCALE (2.75) x 0.15 s, prefill is cut to 0.2 s, the gap stays within 0.41 s (plus the k = 4 positions
+    the prompt's last chunk verifies) and the prompt gets about its share of the engine's time (0.2 of every 0.41 s).
+    With 0.3 s steps the bound is its floor, 0.15 s, whatever the time share owes (the step earns 0.3 s of prefill:
+    taken as two chunks in a row, the gap was 0.6 s), and the prompt gets a third of the engine instead of half."""
+    slow, chunk_s = 0.002, 0.15
+    decode = DECODE_S + 4 * draft_s
+
+    def run(gap_scale: float) -> tuple[float, float]:
+        monkeypatch.setattr(scheduler_core, "STREAM_GAP_SCALE", gap_scale)
+        r, start = _long_prompt_beside_streams(4, slow, draft_s, max_prefill_chunk_s=chunk_s)
+        gaps = []
+        for i in range(8):
+            times = [t for t in r.emitted[str(i)] if start <= t <= r.emitted["99"][0]]
+            gaps += [b - a for a, b in zip(times, times[1:])]
+        return max(gaps), r.emitted["99"][0] - start
+
+    held = scheduler_core.STREAM_GAP_SCALE
+    unheld_gap, _ = run(float("inf"))
+    gap, ttft = run(held)
+    bound = max(chunk_s, held * chunk_s - decode)  # 0.2 s, 0.15 s
+    assert unheld_gap >= decode + 2 * chunk_s - 1e-9, unheld_gap
+    assert gap <= decode + bound + 4 * slow + 1e-9, (gap, bound)
+    share = min(PREFILL_TIME_SHARE, bound / (bound + decode))
+    assert ttft <= 4000 * slow / share + 2 * (decode + chunk_s), (ttft, share)

@@ -8,6 +8,7 @@ import pytest
 from exspec.scheduler.policies import create
 from exspec.scheduler.policies.auto import EXACT_SIZES, size_bucket
 from exspec.scheduler.policy import Candidate, age_threshold_for, choose_batch
+from tests.support.fake_engine import FakeEngine
 
 
 def cands(*specs):
@@ -750,6 +751,29 @@ def test_auto_settles_only_plain_steps_after_drafting():
     assert recorded(4) == 3 and recorded(0) == 5
     policy.observe(1, 4, 3, 0.03, accepted=(1, 1, 0, 0))  # a drafting step while k = 0 settles: recorded
     assert recorded(4) == 4
+
+
+def test_auto_with_n_gram_lookup_records_every_step_and_calibrates_without_settling():
+    """With n-gram lookup (no draft model: `create(..., draft_model=False)`, as the scheduler builds it for an engine
+    without one) a k = 0 step right after drafting costs what plain decoding does (no second model's weights between
+    two steps): it is recorded at once, and the calibration runs no settling steps (a third fewer steps)."""
+    lookup, model = create("auto", 4, draft_model=False), create("auto", 4)
+    assert model.draft_model and not lookup.draft_model and model.settle_steps > 0
+    plan, plan_model = lookup.calibration(8), model.calibration(8)
+    assert len(plan_model) - len(plan) == 8 * 2 * model.settle_steps  # 8 buckets, 2 rounds
+    assert [s for s in plan if s[1]] == [s for s in plan_model if s[1]]  # the drafting steps unchanged
+    lookup.observe(1, 4, 3, 0.03, accepted=(1, 1, 0, 0))
+    lookup.observe(1, 0, 1, 0.01)
+    assert len(lookup._buckets[1].costs[0]) == 1
+
+
+def test_the_scheduler_tells_its_policy_whether_a_draft_model_drafts():
+    from exspec.scheduler import SchedulerConfig, SchedulerCore
+
+    for has_model in (True, False):
+        engine = FakeEngine(num_slots=64)
+        engine.has_draft_model = has_model  # False: n-gram lookup's engine
+        assert SchedulerCore(engine, SchedulerConfig()).speculation.draft_model is has_model
 
 
 class _SkewedWorld(_World):

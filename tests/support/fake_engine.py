@@ -49,6 +49,7 @@ class FakeEngine:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.has_draft = has_draft
+        self.has_draft_model = has_draft  # a draft model's steps, not n-gram lookup's
         self.fused_prefill = fused_prefill  # verify a prefill batch's num_draft_tokens as the engine does (else: ignore them)
         self.num_slots = num_slots
         self._free = list(range(num_slots))
