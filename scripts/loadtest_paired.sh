@@ -20,31 +20,30 @@ healthy() {
   "$PYTHON" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" \
     "http://127.0.0.1:$1/health" >/dev/null 2>&1
 }
+declare -A core port flags=([a]=$A_FLAGS [b]=$B_FLAGS) client rc
 for r in $(seq "$ROUNDS"); do
+  core=([a]=${cores[$(( (r - 1) % 2 ))]} [b]=${cores[$(( r % 2 ))]}); port=([a]=$PORT [b]=$((PORT + 1)))
   pids=()
   for side in a b; do
-    if [ $side = a ]; then flags=$A_FLAGS; port=$PORT; core=${cores[$(( (r - 1) % 2 ))]}
-    else flags=$B_FLAGS; port=$((PORT + 1)); core=${cores[$(( r % 2 ))]}; fi
     serve=(-m exspec serve)
     [ "$STEP_TRACE" = 1 ] && serve=(scripts/serve_step_trace.py "$out/trace-$side-$r.jsonl" serve)
     # shellcheck disable=SC2086
-    taskset -c "$core" "$PYTHON" "${serve[@]}" --port "$port" --log-level warning $flags > "$out/serve-$side-$r.log" 2>&1 &
+    taskset -c "${core[$side]}" "$PYTHON" "${serve[@]}" --port "${port[$side]}" --log-level warning ${flags[$side]} \
+      > "$out/serve-$side-$r.log" 2>&1 &
     pids+=($!)
-    eval "core_$side=$core port_$side=$port"
   done
   started=$SECONDS
-  for _ in $(seq 720); do healthy "$PORT" && healthy $((PORT + 1)) && break; sleep 0.5; done
-  echo "round $r: a on core $core_a, b on core $core_b; both answered /health after $((SECONDS - started)) s"
+  for _ in $(seq 720); do healthy "${port[a]}" && healthy "${port[b]}" && break; sleep 0.5; done
+  echo "round $r: a on core ${core[a]}, b on core ${core[b]}; both answered /health after $((SECONDS - started)) s"
   for i in $(seq "$BURSTS"); do
     n=$(( (r - 1) * BURSTS + i )); load=$(cut -d' ' -f1 /proc/loadavg)
     for side in a b; do
-      eval "core=\$core_$side port=\$port_$side"
-      taskset -c "$core" "$PYTHON" -m exspec.loadtest --base-url "http://127.0.0.1:$port/v1" --request-rate "$RATE" \
-        --no-progress --output "$out/$side-$RATE-$n.json" "$@" > "$out/$side-$RATE-$n.txt" 2>&1 &
-      eval "client_$side=\$!"
+      taskset -c "${core[$side]}" "$PYTHON" -m exspec.loadtest --base-url "http://127.0.0.1:${port[$side]}/v1" \
+        --request-rate "$RATE" --no-progress --output "$out/$side-$RATE-$n.json" "$@" > "$out/$side-$RATE-$n.txt" 2>&1 &
+      client[$side]=$!
     done
-    wait "$client_a"; rc_a=$?; wait "$client_b"; rc_b=$?
-    echo "round $r burst $i ($n): load $load, rc a=$rc_a b=$rc_b"
+    for side in a b; do wait "${client[$side]}"; rc[$side]=$?; done
+    echo "round $r burst $i ($n): load $load, rc a=${rc[a]} b=${rc[b]}"
   done
   kill "${pids[@]}"; wait "${pids[@]}"
 done
