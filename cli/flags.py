@@ -72,7 +72,8 @@ FLAGS = {
                                 "prompts are prefilled in chunks, and while sequences decode a chunk is also cut to "
                                 f"about {SchedulerConfig.max_prefill_chunk_s} s per token a running sequence got in its "
                                 f"last step, up to {PREFILL_BOUND_SCALE:g}x, and so that it and a decode step stay "
-                                f"within {STREAM_GAP_SCALE:g}x where more than 1x would pass it (default "
+                                f"within {STREAM_GAP_SCALE:g}x unless 1x or prefill's half of the time needs more "
+                                f"(default "
                                 f"{_default('max_prefill_tokens')}; vLLM's max_num_batched_tokens plays this part)"),
     "host": ("HOST", "address to listen on (default 127.0.0.1)"),
     "port": ("PORT", "port to listen on (default 8000)"),

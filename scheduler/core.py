@@ -35,12 +35,12 @@ MIN_PREFILL_CHUNK = 16  # tokens a prefill step may always take, whatever max_pr
 # demo target at concurrency 4, lookup against k = 0, median time to first token 1.26x, docs/BENCHMARKS.md section 7).
 PREFILL_BOUND_SCALE = 2.0
 # ...and a stream's gap between two chunks (that prefill, then its next decode step, taken as long as its last) is held
-# within this many max_prefill_chunk_s, by cutting the prefill, but never below one max_prefill_chunk_s (where a decode
-# step alone is longer than the rest, the gap is what it was with a bound of one chunk per step). 0.41 s at the default
-# 0.15 s: issue 22 asks for 0.5 s, and a chunk cut at the measured prefill speed overshoots by up to 17%. Beside lookup's
-# k = 4 steps at B = 8 (0.15-0.2 s) on the demo target, the longest gaps were 0.52-0.53 s with the per-token bound alone,
-# 0.48-0.50 s at a scale of 3, 0.44-0.46 s at 2.75 (the long prompt's first token 4-8% later than at 3), and at 2.5 the
-# bound fell below the step, so prefill got less than its share (first token 20-30% later; docs/BENCHMARKS.md section 7).
+# within this many max_prefill_chunk_s, by cutting the prefill, but never below one max_prefill_chunk_s nor below what
+# the time share owes prefill for that step (where a decode step alone is longer than the rest, the share wins).
+# 0.41 s at the default 0.15 s: issue 22 asks for 0.5 s, and a chunk cut at the measured prefill speed overshoots by up
+# to 17%. Beside lookup's k = 4 steps at B = 8 (0.15-0.2 s) on the demo target, the longest gaps were 0.52-0.53 s with
+# the per-token bound alone, 0.48-0.50 s at a scale of 3, 0.44-0.46 s at 2.75 (the long prompt's first token 4-8% later
+# than at 3: smaller chunks of a long context cost more per token); docs/BENCHMARKS.md section 7.
 STREAM_GAP_SCALE = 2.75
 PREFILL_SPEED_DECAY = 0.3  # weight of the newest prefill step in the measured seconds per prefill token
 
@@ -111,6 +111,7 @@ class SchedulerCore:
         self._by_seq: dict[int, Request] = {}  # engine sequence id -> request, while admitted
         self._next_seq_id = 0
         self._prefill_credit = 0.0  # seconds of engine time prefill may still take before decode's turn
+        self._decode_credit = 0.0  # the credit right after the last decode step (0: prefill was not waiting)
         self._prefill_since_decode = 0.0  # engine seconds of prefill since the last decode step
         self._tokens_per_row = 1.0  # tokens a row got in the last decode step, mean over its rows (>= 1: drafts)
         # the last decode step's engine seconds (its wall time is ~1 ms more on the CPU; reported times only, so that a
@@ -271,6 +272,7 @@ class SchedulerCore:
         if not prefill and rows:
             self._tokens_per_row = max(1.0, sum(s.num_tokens for s in stats) / rows)
             self._decode_s = seconds
+            self._decode_credit = max(0.0, self._prefill_credit)
         pending, self._pending = self._pending, []
         return pending + deltas, stats
 
@@ -278,11 +280,12 @@ class SchedulerCore:
         """Prefill gets its share of time, not of steps. While prompts wait to be prefilled and sequences
         decode, each decode step earns prefill share / (1 - share) of its engine time as credit and each
         prefill step spends its own; prefill runs while the credit is >= 0. So waiting prompts get
-        PREFILL_TIME_SHARE of the engine's time however long a decode step is (drafting makes it longer), as long as
-        what that takes fits in `_chunk_bound` between two decode steps: a running sequence waits no longer (about: a
-        chunk is cut at the measured prefill speed). Where a decode step earns more than the bound (a step longer than
-        it), prefill gets the bound after each, less than its share, and the credit it could not spend is dropped, not
-        saved for a later turn. Times are the engine's reported forward seconds."""
+        PREFILL_TIME_SHARE of the engine's time however long a decode step is (drafting makes it longer), and a
+        running sequence waits between two decode steps at most the larger of `_chunk_bound`'s gap-held bound and the
+        credit its last step earned (about: a chunk is cut at the measured prefill speed). The credit never carries more
+        than one step's earning (what prefill could not take before the next decode step is not saved for later): with
+        the bound at least the earning, the share holds and so does the bound. Times are the engine's reported forward
+        seconds."""
         if not contended:  # nothing to share: the next contention starts even
             self._prefill_credit = 0.0
             return
@@ -392,10 +395,14 @@ class SchedulerCore:
     def _chunk_bound(self) -> float:
         """Seconds of prefill the running rows may wait between two decode steps (0: no bound): max_prefill_chunk_s per
         token each got in its last decode step, up to PREFILL_BOUND_SCALE times it, and no more than keeps that wait
-        and a decode step as long as the last within STREAM_GAP_SCALE times it, but at least max_prefill_chunk_s."""
+        and a decode step as long as the last within STREAM_GAP_SCALE times it, but at least max_prefill_chunk_s; and
+        never less than the time share's credit after that step (a step longer than the bound earns more: prefill
+        keeps its share, and the gap is then two such steps)."""
         chunk_s = self.config.max_prefill_chunk_s
+        if chunk_s <= 0:
+            return 0.0
         per_token = chunk_s * min(PREFILL_BOUND_SCALE, self._tokens_per_row)
-        return min(per_token, max(chunk_s, STREAM_GAP_SCALE * chunk_s - self._decode_s))
+        return max(min(per_token, max(chunk_s, STREAM_GAP_SCALE * chunk_s - self._decode_s)), self._decode_credit)
 
     def _prefill_budget(self, contended: bool, spent: float = 0.0) -> int:
         """Tokens (rows x width) the next prefill step may take: max_prefill_tokens, cut while sequences decode

@@ -20,10 +20,10 @@ paid once per token whatever k follows; k = 0 steps measure the target alone; th
 after drafting steps are not recorded:
 right after drafting a k = 0 step costs more than plain decoding does in a row, on the toy pair twice, settling
 over some ten steps; with n-gram lookup, no draft model, nothing settles: every step is recorded). Over k > 0 a line
-a + b * k is fitted through those medians, weighted by their sample counts (k draft forwards and k more query columns in the verify; the jump from k = 0, a
-draft forward's fixed cost and the verify's second column, is in a). A measured k's cost is its median
-pulled toward the line (`fit_weight` pseudo-samples), so neighbouring k share their evidence; a k not
-measured is the line's value. With one k > 0 measured the slope is half the one from k = 0 (uncertain);
+a + b * k is fitted through those medians, weighted by their sample counts (k draft forwards and k more query columns
+in the verify; the jump from k = 0, a draft forward's fixed cost and the verify's second column, is in a). A measured
+k's cost is its median pulled toward the line (`fit_weight` pseudo-samples), so neighbouring k share their evidence;
+a k not measured is the line's value. With one k > 0 measured the slope is half the one from k = 0 (uncertain);
 with only k = 0 measured, c(0) * (1 + `prior_slope` * k). A calibrated bucket (`calibration`) takes its relative
 costs c(k) / c(0) from the calibration, where each k ran in a block on the same prompts: live, the ks are measured at
 different times on different contexts, and comparing them reads the contexts' growth as a change of k's cost. Its
