@@ -38,9 +38,10 @@ PREFILL_BOUND_SCALE = 2.0
 # within this many max_prefill_chunk_s, by cutting the prefill, but never below one max_prefill_chunk_s nor below what
 # the time share owes prefill for that step (where a decode step alone is longer than the rest, the share wins).
 # 0.41 s at the default 0.15 s: issue 22 asks for 0.5 s, and a chunk cut at the measured prefill speed overshoots by up
-# to 17%. Beside lookup's k = 4 steps at B = 8 (0.15-0.2 s) on the demo target, the longest gaps were 0.52-0.53 s with
-# the per-token bound alone, 0.48-0.50 s at a scale of 3, 0.44-0.46 s at 2.75 (the long prompt's first token 4-8% later
-# than at 3: smaller chunks of a long context cost more per token); docs/BENCHMARKS.md section 7.
+# to 20%. Beside lookup's k = 4 steps at B = 8 (0.15-0.2 s) on the demo target, the longest gaps were 0.52-0.53 s with
+# the per-token bound alone, 0.48-0.50 s at a scale of 3 and 0.46-0.49 s at 2.75 (the long prompt's first token 6%
+# later than with the per-token bound alone: smaller chunks of a long context cost more per token); docs/BENCHMARKS.md
+# section 7.
 STREAM_GAP_SCALE = 2.75
 PREFILL_SPEED_DECAY = 0.3  # weight of the newest prefill step in the measured seconds per prefill token
 
